@@ -1,0 +1,20 @@
+"""Command-line entry point: ``kvguard --help``."""
+
+from kvguard.cli.app import app
+from kvguard.cli import (  # noqa: F401  (each module registers its commands on ``app``)
+    budget,
+    dataset,
+    demo,
+    evaluate,
+    metrics,
+    node,
+    policy,
+    simulate,
+    topics,
+    train,
+    worker,
+)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,12 @@
+"""The root Typer app. Command modules import ``app`` and register on it; heavy imports
+(torch, faust, aiokafka, redis) happen inside the command functions, never at import time."""
+
+import typer
+
+app = typer.Typer(
+    name="kvguard",
+    help="Predict GPU KV-cache OOMs minutes ahead and prevent them.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
