@@ -10,3 +10,11 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+@app.command()
+def version() -> None:
+    """Print kvguard's version."""
+    from kvguard import __version__
+
+    typer.echo(__version__)
