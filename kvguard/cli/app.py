@@ -12,6 +12,14 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def root() -> None:
+    """kvguard: watch GPU KV-cache allocators, predict OOMs minutes ahead, and prevent them.
+
+    Start with `kvguard demo` (embedded, no Kafka or Redis needed).
+    """
+
+
 @app.command()
 def version() -> None:
     """Print kvguard's version."""
