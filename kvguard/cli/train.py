@@ -1,1 +1,73 @@
-"""`kvguard train`."""
+"""`kvguard train`: fit the tier-3 OOM LSTM, calibrate its threshold, write weights + metadata.
+
+The shipped model (``streams/models/oom_lstm.{pt,json}``) is rebuilt with::
+
+    kvguard train --preset shipped --out streams/models
+
+which simulates the ``shipped`` preset's runs (``streams.dataset.PRESETS``), trains with the
+default ``TrainConfig`` and seed 0, and writes the artifact. Deterministic up to torch's CPU kernels.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from kvguard.cli.app import app
+
+
+@app.command("train")
+def train_command(
+    data: Path = typer.Option(None, "--data", help="Dataset from `kvguard dataset` (.npz); default: simulate --preset."),
+    preset: str = typer.Option("shipped", "--preset", help="Runs to simulate when --data is not given."),
+    epochs: int = typer.Option(None, "--epochs", help="Training epochs (default: TrainConfig's)."),
+    out: Path = typer.Option(Path("kvguard-model"), "--out", help="Directory (or path stem) for the artifact."),
+    seed: int = typer.Option(0, "--seed", help="Seed for weight init and chunk order."),
+    threads: int = typer.Option(1, "--threads", help="torch CPU threads (the machine is shared: keep it small)."),
+    save_data: Path = typer.Option(None, "--save-data", help="Also save the simulated dataset here (.npz + .json)."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+) -> None:
+    """Train the OOM predictor (2-layer LSTM, hidden 64, 30-minute window) and save the model artifact."""
+    from rich.console import Console
+
+    from kvguard.cli.dataset import build_with_progress, progress_bar, resolve_specs
+    from streams.dataset import DatasetError, TickDataset
+    from streams.lstm import describe, save_model
+    from streams.training import TrainConfig, train
+
+    console = Console(stderr=True)
+    try:
+        if data is not None:
+            ds = TickDataset.load(data)
+        else:
+            ds = build_with_progress(resolve_specs(preset, None), console)
+            if save_data is not None:
+                ds.save(save_data)
+    except (DatasetError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2)
+    config = TrainConfig(seed=seed, threads=threads)
+    if epochs is not None:
+        config.epochs = epochs
+    with progress_bar(console) as bar:
+        task = bar.add_task("training", total=None, info="")
+
+        def report(done, total, info):
+            bar.update(task, completed=done, total=total, info=f"epoch {info['epoch']} loss {info['loss']:.4f}")
+
+        result = train(ds, config, progress=report)
+    result.metadata.training["source"] = {"data": str(data) if data else None,
+                                          "preset": None if data else preset,
+                                          "command": "kvguard train " + (f"--data {data}" if data else
+                                                                         f"--preset {preset}")
+                                          + f" --seed {seed}" + (f" --epochs {epochs}" if epochs else "")}
+    weights, meta_path = save_model(result.net, result.metadata, out)
+    summary = dict(describe(result.metadata), weights=str(weights), metadata=str(meta_path),
+                   weights_bytes=weights.stat().st_size, train_seconds=round(result.seconds, 1),
+                   history=result.history)
+    if as_json:
+        typer.echo(json.dumps(summary))
+    else:
+        console.print_json(json.dumps(summary))

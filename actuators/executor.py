@@ -1,0 +1,163 @@
+"""Carry out one verified command against a node's shadow engine and its paged pool.
+
+The executor translates a command's intent into engine/pool calls; it never checks signatures,
+TTLs or duplicates (``actuators.actuator`` does that before calling it) and never reads a clock.
+
+* ``evict``: for each target, free memory at the command's granularity and handling:
+  - request: every page (``Engine.evict_request(granularity="request")``); the request goes back
+    to the waiting queue (recompute), the swapped queue (swap, checkpoint) and returns later;
+  - block: the tail pages that cover the target's units (all private pages when units = 0),
+    never the shared prefix: the request keeps its prefix and re-prefills only the tail;
+  - token: the least recently written private page runs covering the units (the oldest
+    non-shared pages of its page table).
+  A swap that finds the host swap space full falls back to recompute (noted in the errors).
+  A target that already finished (or is not running any more) is a no-op, never an error.
+* ``compact``: migrate up to ``max_moves`` pages so that free runs coalesce.
+* ``reclaim``: drop up to ``units_needed`` units of cached prefix pages.
+
+Every change the pool makes is recorded as events (EVICT, SWAP_OUT, MIGRATE, RECLAIM, …), so
+executed actions reach ``kvguard.events`` through the node's producer like any other event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kvguard.events import Handling
+from policy.commands import AckOutcome, Action, Command, Target
+from producers.pool_types import PageState, SwapFull, UnknownRequest
+from policy.strategy import Granularity, HandlingChoice
+
+HANDLINGS: dict[HandlingChoice, Handling] = {
+    HandlingChoice.RECOMPUTE: Handling.RECOMPUTE,
+    HandlingChoice.SWAP: Handling.SWAP,
+    HandlingChoice.CHECKPOINT: Handling.CHECKPOINT,
+}
+
+
+@dataclass(slots=True, frozen=True)
+class ExecutionResult:
+    outcome: AckOutcome
+    units_freed: int = 0
+    units_moved: int = 0
+    targets_done: int = 0
+    targets_noop: int = 0
+    errors: tuple[str, ...] = field(default_factory=tuple)
+
+
+class Executor:
+    """Executes commands on one engine (``producers.engine.Engine``: ``evict_request``,
+    ``compact``, ``pool``)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._actions: dict[Action, Callable[[Command, int], ExecutionResult]] = {
+            Action.EVICT: self._evict,
+            Action.COMPACT: self._compact,
+            Action.RECLAIM: self._reclaim,
+        }
+
+    def execute(self, command: Command, now_ns: int) -> ExecutionResult:
+        return self._actions[command.action](command, now_ns)
+
+    # -- actions -----------------------------------------------------------------------------
+
+    def _evict(self, command: Command, now_ns: int) -> ExecutionResult:
+        freed = done = noop = 0
+        errors: list[str] = []
+        for target in command.targets:
+            try:
+                units, note = self._evict_one(target, command, now_ns)
+            except Exception as err:  # one bad target must not stop the others
+                errors.append(f"req {target.req}: {type(err).__name__}: {err}")
+                continue
+            if note:
+                errors.append(note)
+            if units is None:
+                noop += 1
+            else:
+                done += 1
+                freed += units
+        return _result(freed, 0, done, noop, errors)
+
+    def _evict_one(self, target: Target, command: Command, now_ns: int) -> tuple[int | None, str]:
+        """Units freed from one target (None: nothing to do), and a note when it fell back."""
+        granularity = command.granularity
+        pages: Any = None
+        if granularity is not Granularity.REQUEST:
+            try:
+                pages = self._select_pages(target, granularity)
+            except UnknownRequest:
+                return None, ""  # finished (or never here): nothing holds memory any more
+            if not pages:
+                return None, ""
+        handling = HANDLINGS[command.handling]
+        note = ""
+        try:
+            result = self.engine.evict_request(target.req, now_ns, granularity=str(granularity),
+                                               handling=handling, pages=pages)
+        except SwapFull:
+            # the pool refused with its state unchanged: recompute costs more but frees the same
+            note = f"req {target.req}: host swap full, recomputed instead"
+            result = self.engine.evict_request(target.req, now_ns, granularity=str(granularity),
+                                               handling=Handling.RECOMPUTE, pages=pages)
+        if result.pages == 0:
+            return None, note
+        return int(result.units_freed), note
+
+    def _compact(self, command: Command, now_ns: int) -> ExecutionResult:
+        moves = max(1, int(command.max_moves))
+        try:
+            moved = int(self.engine.compact(now_ns, moves))
+        except Exception as err:
+            return _result(0, 0, 0, 0, [f"compact: {type(err).__name__}: {err}"])
+        return _result(0, moved, 1 if moved else 0, 0 if moved else 1, [])
+
+    def _reclaim(self, command: Command, now_ns: int) -> ExecutionResult:
+        try:
+            freed = int(self.engine.pool.reclaim_cached(max(1, int(command.units_needed)), now_ns))
+        except Exception as err:
+            return _result(0, 0, 0, 0, [f"reclaim: {type(err).__name__}: {err}"])
+        return _result(freed, 0, 1 if freed else 0, 0 if freed else 1, [])
+
+    # -- page choice -------------------------------------------------------------------------
+
+    def _private_pages(self, req: int) -> list[Any]:
+        """The request's own live pages in page-table order (shared prefix pages excluded)."""
+        return [p for p in self.engine.pool.request_pages(req)
+                if p.offset >= 0 and p.state is PageState.LIVE and p.refcount <= 1]
+
+    def _select_pages(self, target: Target, granularity: Granularity) -> Any:
+        private = self._private_pages(target.req)
+        if not private:
+            return None
+        wanted = target.units if target.units > 0 else sum(p.size for p in private)
+        if granularity is Granularity.BLOCK:
+            # the pool evicts the last N live pages: count them from the tail until the units are
+            # covered, stopping at the first shared page (the prefix stays)
+            live = [p for p in self.engine.pool.request_pages(target.req) if p.state is PageState.LIVE]
+            count = units = 0
+            for p in reversed(live):
+                if units >= wanted or p.refcount > 1:
+                    break
+                count += 1
+                units += p.size
+            return count or None
+        chosen, units = [], 0
+        for p in private:  # token granularity: oldest private runs first
+            if units >= wanted:
+                break
+            chosen.append(p.offset)
+            units += p.size
+        return chosen
+
+
+def _result(freed: int, moved: int, done: int, noop: int, errors: list[str]) -> ExecutionResult:
+    if done:
+        outcome = AckOutcome.EXECUTED
+    elif errors and not noop:
+        outcome = AckOutcome.FAILED
+    else:
+        outcome = AckOutcome.NOOP
+    return ExecutionResult(outcome, freed, moved, done, noop, tuple(errors))

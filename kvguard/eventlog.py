@@ -1,0 +1,148 @@
+"""The event log file: gzip JSON lines, one header then one line per ``EventBatch``.
+
+Line 1: ``{"type":"header","schema":"1.0","created_by":…,"meta":{…}}``; then per batch
+``{"type":"batch","node":…,"epoch":…,"seq":…,"geometry":{…}|null,"state":{…}|null,"cols":{col:[…]}}``.
+Columns are the names of ``EVENT_DTYPE``. Writing is deterministic (sorted keys, no gzip mtime), so the
+same batches give byte-identical files. Pure: standard library + numpy.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from kvguard.events import COLUMNS, EVENT_DTYPE, SCHEMA_VERSION, EventBatch, Geometry, PoolState
+
+CREATED_BY = "kvguard"
+
+
+class EventLogError(ValueError):
+    """An event log line could not be read: names the file, the 1-based line and what was expected."""
+
+    def __init__(self, path: str, line_no: int, expected: str):
+        self.path, self.line_no, self.expected = str(path), line_no, expected
+        super().__init__(f"{path}:{line_no}: expected {expected}")
+
+
+def _dumps(obj: dict) -> bytes:
+    return (json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n").encode()
+
+
+def batch_to_dict(batch: EventBatch) -> dict:
+    return {
+        "type": "batch",
+        "node": batch.node,
+        "epoch": int(batch.epoch),
+        "seq": int(batch.seq),
+        "geometry": batch.geometry.to_dict() if batch.geometry is not None else None,
+        "state": batch.state.to_dict() if batch.state is not None else None,
+        "cols": {c: batch.events[c].tolist() for c in COLUMNS},
+    }
+
+
+def batch_from_dict(d: dict, path: str = "<memory>", line_no: int = 0) -> EventBatch:
+    try:
+        cols = d["cols"]
+        n = len(cols["ts_ns"])
+        events = np.zeros(n, dtype=EVENT_DTYPE)
+        for c in COLUMNS:
+            values = cols[c]
+            if len(values) != n:
+                raise EventLogError(path, line_no, f"column {c!r} of length {n}, got {len(values)}")
+            events[c] = values
+        return EventBatch(
+            node=str(d["node"]), seq=int(d["seq"]), events=events, epoch=int(d["epoch"]),
+            geometry=Geometry.from_dict(d["geometry"]) if d.get("geometry") else None,
+            state=PoolState.from_dict(d["state"]) if d.get("state") else None,
+        )
+    except EventLogError:
+        raise
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
+        raise EventLogError(path, line_no, f"a batch with node, epoch, seq and columns {list(COLUMNS)} ({e!r})") from None
+
+
+class EventLogWriter:
+    """Context manager: ``with EventLogWriter(path, meta) as w: w.write(batch)``."""
+
+    def __init__(self, path: str | Path, meta: dict | None = None):
+        self.path = Path(path)
+        self.meta = dict(meta or {})
+        self.batches = 0
+        self.events = 0
+        self._raw = None
+        self._gz = None
+
+    def __enter__(self) -> "EventLogWriter":
+        self._raw = open(self.path, "wb")
+        self._gz = gzip.GzipFile(filename="", mode="wb", fileobj=self._raw, mtime=0, compresslevel=6)
+        self._gz.write(_dumps({"type": "header", "schema": SCHEMA_VERSION, "created_by": CREATED_BY, "meta": self.meta}))
+        return self
+
+    def write(self, batch: EventBatch) -> None:
+        if self._gz is None:
+            raise RuntimeError("EventLogWriter.write outside its `with` block")
+        self._gz.write(_dumps(batch_to_dict(batch)))
+        self.batches += 1
+        self.events += len(batch.events)
+
+    def __exit__(self, *exc) -> None:
+        if self._gz is not None:
+            self._gz.close()
+            self._raw.close()
+            self._gz = self._raw = None
+
+
+def write_event_log(path: str | Path, batches: Iterable[EventBatch], meta: dict | None = None) -> int:
+    """Write all ``batches``; returns the number of events written."""
+    with EventLogWriter(path, meta) as w:
+        for b in batches:
+            w.write(b)
+    return w.events
+
+
+def read_event_log(path: str | Path) -> tuple[dict, Iterator[EventBatch]]:
+    """``(meta, batches)``; the header is read now, batches lazily. Bad lines raise ``EventLogError``."""
+    path = str(path)
+    try:
+        fh = gzip.open(path, "rt", encoding="utf-8")
+        first = fh.readline()
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise EventLogError(path, 1, f"a gzip file of JSON lines ({e})") from None
+    try:
+        header = json.loads(first)
+    except json.JSONDecodeError:
+        fh.close()
+        raise EventLogError(path, 1, 'a header line {"type":"header","schema":…}') from None
+    if not isinstance(header, dict) or header.get("type") != "header":
+        fh.close()
+        raise EventLogError(path, 1, 'a header line {"type":"header","schema":…}')
+    if str(header.get("schema", "")).split(".")[0] != SCHEMA_VERSION.split(".")[0]:
+        fh.close()
+        raise EventLogError(path, 1, f"schema {SCHEMA_VERSION}, got {header.get('schema')!r}")
+
+    def batches() -> Iterator[EventBatch]:
+        with fh:
+            line_no = 1
+            while True:
+                try:
+                    line = fh.readline()
+                except (OSError, EOFError) as e:
+                    raise EventLogError(path, line_no + 1, f"more gzip data ({e})") from None
+                if not line:
+                    return
+                line_no += 1
+                if not line.strip():
+                    continue
+                try:
+                    d = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise EventLogError(path, line_no, f"a JSON batch line ({e.msg})") from None
+                if not isinstance(d, dict) or d.get("type") != "batch":
+                    raise EventLogError(path, line_no, 'a line with "type":"batch"')
+                yield batch_from_dict(d, path, line_no)
+
+    return dict(header.get("meta") or {}), batches()

@@ -1,0 +1,474 @@
+"""Wire contracts: what goes on the topics (pydantic v2 at the boundary, plain dataclasses inside).
+
+Every record is a JSON object with ``"schema": "<major>.<minor>"``. Readers accept any minor
+version of the major they know and ignore fields they do not know (``extra="ignore"``), so a
+newer producer can add fields without breaking older consumers. An unknown major version,
+bytes that are not a JSON object, and records that fail validation raise ``DecodeError`` with a
+``reason`` (``malformed`` / ``unknown_major`` / ``wrong_type`` / ``invalid``); consumers send
+them to the DLQ (``kvguard.bus.dlq``) and keep going.
+
+Event batches are columnar: ``"cols": {"ts_ns": [...], "kind": [...], ...}``, one JSON array per
+``EVENT_DTYPE`` column (the event-log line format minus ``"type"``). The envelope is validated by
+pydantic; the columns by numpy (integer dtype, one dimension, equal lengths, u8 ranges), so
+decoding costs a few array conversions per batch, not a model per event.
+
+Kafka headers (CloudEvents binary mode): ``ce_specversion``, ``ce_type``
+(``io.kvguard.<kind>.v<major>``), ``ce_source`` (node or component), ``ce_id``, ``ce_time``
+(RFC 3339), ``content-type``. ``make_headers`` builds them.
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from datetime import datetime, timezone
+from typing import Annotated, Any
+
+import numpy as np
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator
+
+from kvguard.events import COLUMNS, EVENT_DTYPE, EventBatch, Geometry, PoolState
+
+SCHEMA_VERSION = "1.0"
+SUPPORTED_MAJOR = 1
+CE_SPECVERSION = "1.0"
+CONTENT_TYPE = "application/json"
+KINDS: tuple[str, ...] = ("events", "metrics", "alerts", "commands", "acks", "dlq")
+_U8_COLUMNS = frozenset(name for name in COLUMNS if EVENT_DTYPE[name] == np.uint8)
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def ce_type(kind: str, major: int = SUPPORTED_MAJOR) -> str:
+    """``ce_type`` header of a record kind: ``io.kvguard.events.v1``."""
+    if kind not in KINDS:
+        raise KeyError(f"unknown record kind {kind!r}; expected one of {', '.join(KINDS)}")
+    return f"io.kvguard.{kind}.v{major}"
+
+
+class DecodeError(ValueError):
+    """A record cannot be decoded. ``reason`` is a DLQ reason code; ``detail`` says why."""
+
+    REASONS = ("malformed", "unknown_major", "wrong_type", "invalid")
+
+    def __init__(self, reason: str, detail: str):
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}")
+
+
+def schema_major(version: Any) -> int:
+    """Major number of a ``"M.m"`` schema string; ``DecodeError(invalid)`` when it is not one."""
+    if not isinstance(version, str):
+        raise DecodeError("invalid", f"schema: expected a 'major.minor' string, got {version!r}")
+    major, _, minor = version.partition(".")
+    if not major.isdigit() or (minor and not minor.split(".")[0].isdigit()):
+        raise DecodeError("invalid", f"schema: expected a 'major.minor' string, got {version!r}")
+    return int(major)
+
+
+class WireModel(BaseModel):
+    """Base of every record: a schema version, unknown fields ignored."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, frozen=False)
+
+    schema_version: str = Field(SCHEMA_VERSION, alias="schema")
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_major(cls, value: str) -> str:
+        major = schema_major(value)
+        if major != SUPPORTED_MAJOR:
+            raise ValueError(f"unknown major version {major} (this reader knows {SUPPORTED_MAJOR}.x)")
+        return value
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps(self.model_dump(mode="json", by_alias=True))
+
+
+# ---- event batches -------------------------------------------------------------------------
+
+
+class GeometryModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    total_bytes: int = Field(ge=0)
+    weights_bytes: int = Field(ge=0)
+    context_bytes: int = Field(ge=0)
+    gpu_memory_utilization: float = Field(gt=0, le=1)
+    unit_tokens: int = Field(gt=0)
+    kv_bytes_per_token: int = Field(gt=0)
+    dynamic_units: int = Field(ge=0)
+    page_classes: tuple[int, ...] = Field(min_length=1)
+    reserved_frac: float = Field(0.05, ge=0, lt=1)
+
+    def to_geometry(self) -> Geometry:
+        return Geometry(**self.model_dump())
+
+
+class PoolStateModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    offset: list[int]
+    size: list[int]
+    state: list[int]
+    cls: list[int]
+    tokens: list[int]
+    refs: list[list[int]]
+    tokens_stored: int = 0
+
+    @field_validator("refs")
+    @classmethod
+    def _same_length(cls, refs: list[list[int]], info) -> list[list[int]]:
+        n = len(info.data.get("offset", ()))
+        for name in ("size", "state", "cls", "tokens"):
+            if name in info.data and len(info.data[name]) != n:
+                raise ValueError(f"state.{name} has {len(info.data[name])} rows, state.offset has {n}")
+        if len(refs) != n:
+            raise ValueError(f"state.refs has {len(refs)} rows, state.offset has {n}")
+        return refs
+
+    def to_state(self) -> PoolState:
+        return PoolState.from_dict(self.model_dump())
+
+
+def _column_arrays(value: Any) -> dict[str, np.ndarray]:
+    """Validate the event columns with numpy; returns ``{column: int64/uint8 array}``."""
+    if not isinstance(value, dict):
+        raise ValueError(f"cols must be an object of column arrays, got {type(value).__name__}")
+    out: dict[str, np.ndarray] = {}
+    length = None
+    for name in COLUMNS:
+        if name not in value:
+            raise ValueError(f"cols.{name} is missing")
+        raw = value[name]
+        if isinstance(raw, np.ndarray):
+            arr = raw
+        elif isinstance(raw, list):
+            arr = np.array(raw) if raw else np.zeros(0, dtype=np.int64)
+        else:
+            raise ValueError(f"cols.{name} must be an array, got {type(raw).__name__}")
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise ValueError(f"cols.{name} must be a flat array of integers (got dtype {arr.dtype}, {arr.ndim} dims)")
+        if len(arr) and arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _INT64_MAX:
+            raise ValueError(f"cols.{name} has a value above the int64 range")
+        if name in _U8_COLUMNS and len(arr) and (int(arr.min()) < 0 or int(arr.max()) > 255):
+            raise ValueError(f"cols.{name} must hold values 0..255")
+        if length is None:
+            length = len(arr)
+        elif len(arr) != length:
+            raise ValueError(f"cols.{name} has {len(arr)} rows, cols.{COLUMNS[0]} has {length}")
+        out[name] = arr
+    return out
+
+
+EventColumns = Annotated[Any, PlainValidator(_column_arrays)]
+
+
+class EventBatchRecord(WireModel):
+    """One node's event batch on ``kvguard.events`` (see ``kvguard.events.EventBatch``)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, arbitrary_types_allowed=True)
+
+    node: str = Field(min_length=1)
+    epoch: int = Field(0, ge=0)
+    seq: int = Field(ge=0)
+    geometry: GeometryModel | None = None
+    state: PoolStateModel | None = None
+    cols: EventColumns
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        return encode(self)
+
+    def to_batch(self) -> EventBatch:
+        n = len(self.cols[COLUMNS[0]])
+        events = np.empty(n, dtype=EVENT_DTYPE)
+        for name in COLUMNS:
+            events[name] = self.cols[name]
+        return EventBatch(
+            node=self.node,
+            seq=self.seq,
+            events=events,
+            epoch=self.epoch,
+            geometry=self.geometry.to_geometry() if self.geometry else None,
+            state=self.state.to_state() if self.state else None,
+            extra=dict(self.extra),
+        )
+
+    @classmethod
+    def from_batch(cls, batch: EventBatch) -> "EventBatchRecord":
+        return cls.model_validate(batch_to_wire_dict(batch))
+
+
+def batch_to_wire_dict(batch: EventBatch) -> dict[str, Any]:
+    events = batch.events
+    if events.dtype != EVENT_DTYPE:
+        raise TypeError(f"batch.events must have EVENT_DTYPE, got {events.dtype}")
+    record: dict[str, Any] = {
+        "schema": SCHEMA_VERSION,
+        "node": batch.node,
+        "epoch": int(batch.epoch),
+        "seq": int(batch.seq),
+        "geometry": batch.geometry.to_dict() if batch.geometry is not None else None,
+        "state": batch.state.to_dict() if batch.state is not None else None,
+        "cols": {name: np.ascontiguousarray(events[name]) for name in COLUMNS},
+    }
+    if batch.extra:
+        record["extra"] = batch.extra
+    return record
+
+
+def encode_batch(batch: EventBatch) -> bytes:
+    """EventBatch -> JSON bytes (columns as arrays), without a per-event Python loop."""
+    return orjson.dumps(batch_to_wire_dict(batch), option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def decode_batch(value: bytes | bytearray | memoryview, headers: Any = None) -> EventBatch:
+    """JSON bytes -> validated EventBatch; ``DecodeError`` with a DLQ reason otherwise."""
+    return decode("events", value, headers).to_batch()
+
+
+# ---- metrics, alerts, commands, acks -------------------------------------------------------
+
+
+class Candidate(BaseModel):
+    """A victim candidate carried on a metric tick (policy picks among them)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    req: int
+    priority: int = 5
+    units: int = 0
+    tokens: int = 0
+    last_ts_ns: int = 0
+    shared_units: int = 0
+
+
+class MetricTick(WireModel):
+    """One tick of one node's pressure metrics on ``kvguard.metrics`` (DESIGN §3)."""
+
+    node: str = Field(min_length=1)
+    ts_ns: int
+    u_kv: float
+    f_ext: float
+    f_int: float
+    psi: float
+    slope_per_min: float = 0.0
+    # utilization split as fractions of device memory: weights, workspace, kv_live, kv_cached,
+    # reserved, free (keys may grow in later minor versions)
+    utilization: dict[str, float] = Field(default_factory=dict)
+    pages_per_request_p50: float = 0.0
+    pages_per_request_p95: float = 0.0
+    pages_per_request_p99: float = 0.0
+    alloc_fail_per_s: float = 0.0
+    evicted_pages: int = 0
+    evicted_requests: int = 0
+    evicted_tokens: int = 0
+    preemptions: int = 0
+    ooms: int = 0
+    requests_running: int = 0
+    tokens_per_s: float = 0.0
+    arrivals: int = 0
+    largest_free_run_units: int = 0
+    free_units: int = 0
+    p_oom: float | None = None
+    u_kv_forecast: list[float] | None = None
+    candidates: list[Candidate] = Field(default_factory=list)
+
+
+class Alert(WireModel):
+    """A firing or resolved alert on ``kvguard.alerts`` (shaped for an Alertmanager webhook)."""
+
+    node: str = Field(min_length=1)
+    ts_ns: int
+    name: str = Field(min_length=1)  # alertname, e.g. KVCacheOOMRisk
+    tier: str  # threshold | slope | lstm (more may come)
+    severity: str  # warning | critical
+    status: str = "firing"  # firing | resolved
+    fingerprint: str = ""
+    started_at_ns: int = 0
+    value: float | None = None
+    threshold: float | None = None
+    p_oom: float | None = None
+    summary: str = ""
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class Command(WireModel):
+    """A signed policy command on ``kvguard.commands``; fields as ``policy.commands.Command.to_dict``.
+
+    Enumerations are plain strings here (the actuator checks them), so a newer minor version
+    may add actions without older readers dead-lettering them.
+    """
+
+    id: str = Field(min_length=1)
+    node: str = Field(min_length=1)
+    action: str
+    targets: list[tuple[int, int]] = Field(default_factory=list)  # [req, units] (0 units = all)
+    granularity: str = "request"
+    handling: str = "recompute"
+    reason: str = ""
+    mode: str = "default"
+    variant: str = ""
+    issued_at_ns: int
+    ttl_ns: int = Field(ge=0)
+    units_needed: int = 0
+    max_moves: int = 0
+    signature: str = ""
+
+
+class Ack(WireModel):
+    """An actuator's acknowledgement on ``kvguard.acks``; fields as ``policy.commands.Ack.to_dict``."""
+
+    command_id: str = Field(min_length=1)
+    node: str = Field(min_length=1)
+    outcome: str
+    executed_at_ns: int
+    units_freed: int = 0
+    units_moved: int = 0
+    latency_ns: int = 0
+    issued_at_ns: int = 0
+    action: str = ""
+    variant: str = ""
+    mode: str = ""
+    targets_done: int = 0
+    targets_noop: int = 0
+    errors: list[str] = Field(default_factory=list)
+
+
+class DlqRecord(WireModel):
+    """A record that could not be decoded, with the reason and the original bytes (base64)."""
+
+    reason: str
+    detail: str = ""
+    topic: str
+    partition: int
+    offset: int
+    key_b64: str | None = None
+    value_b64: str
+    headers: list[tuple[str, str]] = Field(default_factory=list)  # (name, base64 value)
+    group: str = ""
+    component: str = ""
+    dead_lettered_at_ns: int = 0
+
+    @property
+    def value(self) -> bytes:
+        return base64.b64decode(self.value_b64)
+
+    @property
+    def key(self) -> bytes | None:
+        return None if self.key_b64 is None else base64.b64decode(self.key_b64)
+
+    @classmethod
+    def of(cls, *, reason: str, detail: str, topic: str, partition: int, offset: int, key: bytes | None,
+           value: bytes, headers: Any = (), group: str = "", component: str = "",
+           dead_lettered_at_ns: int = 0) -> "DlqRecord":
+        return cls(
+            reason=reason,
+            detail=detail[:2000],
+            topic=topic,
+            partition=partition,
+            offset=offset,
+            key_b64=None if key is None else base64.b64encode(key).decode(),
+            value_b64=base64.b64encode(bytes(value)).decode(),
+            headers=[(name, base64.b64encode(val or b"").decode()) for name, val in (headers or ())],
+            group=group,
+            component=component,
+            dead_lettered_at_ns=dead_lettered_at_ns,
+        )
+
+
+MODELS: dict[str, type[WireModel]] = {
+    "events": EventBatchRecord,
+    "metrics": MetricTick,
+    "alerts": Alert,
+    "commands": Command,
+    "acks": Ack,
+    "dlq": DlqRecord,
+}
+
+
+# ---- generic codec -------------------------------------------------------------------------
+
+
+def encode(model: WireModel) -> bytes:
+    if isinstance(model, EventBatchRecord):
+        data = model.model_dump(mode="python", by_alias=True)
+        data["cols"] = {name: np.ascontiguousarray(model.cols[name]) for name in COLUMNS}
+        return orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY)
+    return model.to_bytes()
+
+
+def decode(kind: str, value: bytes | bytearray | memoryview, headers: Any = None) -> WireModel:
+    """Bytes of a ``kind`` record -> its model. ``headers`` (Kafka header pairs) are checked when given.
+
+    Raises ``DecodeError`` with reason ``malformed`` (not a JSON object), ``wrong_type`` (the
+    ``ce_type`` header names another kind), ``unknown_major`` (header or payload) or ``invalid``.
+    """
+    model_cls = MODELS.get(kind)
+    if model_cls is None:
+        raise KeyError(f"unknown record kind {kind!r}; expected one of {', '.join(KINDS)}")
+    if headers:
+        _check_type_header(kind, headers)
+    try:
+        data = orjson.loads(value)
+    except (orjson.JSONDecodeError, TypeError) as exc:
+        raise DecodeError("malformed", f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise DecodeError("malformed", f"expected a JSON object, got {type(data).__name__}")
+    if "schema" not in data:
+        raise DecodeError("invalid", "schema: missing (every record carries 'schema': 'major.minor')")
+    major = schema_major(data["schema"])
+    if major != SUPPORTED_MAJOR:
+        raise DecodeError("unknown_major", f"schema {data.get('schema')!r}: this reader knows {SUPPORTED_MAJOR}.x")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise DecodeError("invalid", _first_error(exc)) from None
+
+
+def _check_type_header(kind: str, headers: Any) -> None:
+    for name, raw in headers:
+        if name != "ce_type":
+            continue
+        text = raw.decode("utf-8", "replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
+        prefix, _, version = text.rpartition(".v")
+        if not prefix.startswith("io.kvguard."):
+            raise DecodeError("wrong_type", f"ce_type {text!r} is not a kvguard record type")
+        if prefix != f"io.kvguard.{kind}":
+            raise DecodeError("wrong_type", f"ce_type {text!r} on a {kind} topic (expected {ce_type(kind)})")
+        if not version.isdigit():
+            raise DecodeError("invalid", f"ce_type {text!r} has no version suffix .v<major>")
+        if int(version) != SUPPORTED_MAJOR:
+            raise DecodeError("unknown_major", f"ce_type {text!r}: this reader knows v{SUPPORTED_MAJOR}")
+        return
+
+
+def _first_error(exc: ValidationError) -> str:
+    errors = exc.errors(include_url=False)
+    err = errors[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "<record>"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{loc}: {err['msg']}{more}"
+
+
+def make_headers(kind: str, source: str, *, record_id: str | None = None,
+                 time: datetime | None = None) -> list[tuple[str, bytes]]:
+    """CloudEvents binary-mode headers for one record. ``record_id`` defaults to a random uuid;
+    pass a deterministic one (``node/epoch/seq``) where consumers deduplicate."""
+    when = time or datetime.now(timezone.utc)
+    return [
+        ("ce_specversion", CE_SPECVERSION.encode()),
+        ("ce_type", ce_type(kind).encode()),
+        ("ce_source", source.encode()),
+        ("ce_id", (record_id or uuid.uuid4().hex).encode()),
+        ("ce_time", when.isoformat(timespec="milliseconds").replace("+00:00", "Z").encode()),
+        ("content-type", CONTENT_TYPE.encode()),
+    ]
+
+
+def batch_headers(batch: EventBatch, *, time: datetime | None = None) -> list[tuple[str, bytes]]:
+    """Headers of an event batch; its ``ce_id`` is ``node/epoch/seq`` (unique per batch)."""
+    return make_headers("events", batch.node, record_id=f"{batch.node}/{batch.epoch}/{batch.seq}", time=time)

@@ -1,0 +1,329 @@
+"""kvguard settings: one pydantic model, loaded from an optional TOML/JSON file plus ``KVGUARD_*`` env.
+
+Precedence (last wins): defaults < file < environment. The file is the ``path`` argument, else
+the file named by ``KVGUARD_CONFIG``. Environment variables name a field by its path with ``__``
+between levels: ``KVGUARD_KAFKA__LINGER_MS=5``, ``KVGUARD_TOPICS__EVENTS__PARTITIONS=12``.
+Values that look like JSON lists/objects (``[...]``, ``{...}``) are parsed as JSON; everything
+else is a string that pydantic converts (``"true"``, ``"5"``, ``"0.5"``). ``KVGUARD_*`` names
+without ``__`` (like ``KVGUARD_CONFIG``) are not settings and are ignored here.
+
+Every section forbids unknown keys, so a typo in a file or an env name is an error, not a silent
+default. Bad config raises ``ConfigError`` whose message names the field path and the source,
+e.g. ``kafka.linger_ms: must be ≥ 0 (from env KVGUARD_KAFKA__LINGER_MS)``.
+
+To add a field: add it (with a default and a bound) to its section class below; to add a
+section: add a ``_Section`` subclass and a field on ``Settings``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "KVGUARD_"
+ENV_CONFIG_FILE = "KVGUARD_CONFIG"
+TOPIC_KINDS: tuple[str, ...] = ("events", "metrics", "alerts", "commands", "acks", "dlq")
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong. ``field`` is the dotted path (``kafka.linger_ms``)."""
+
+    def __init__(self, field: str, problem: str, source: str | None = None):
+        self.field = field
+        self.problem = problem
+        self.source = source
+        where = f" (from {source})" if source else ""
+        super().__init__(f"{field}: {problem}{where}")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class KafkaSettings(_Section):
+    bootstrap: str = "127.0.0.1:9092"
+    client_id: str = "kvguard"
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    linger_ms: int = Field(5, ge=0)
+    max_batch_bytes: int = Field(1_048_576, gt=0)
+    # records accepted by publish() but not yet acknowledged by the broker; publish() waits
+    # (backpressure) at this bound and refuses, counted as dropped, after send_buffer_timeout_s
+    send_buffer_records: int = Field(100_000, gt=0)
+    send_buffer_timeout_s: float = Field(30.0, ge=0)
+    request_timeout_ms: int = Field(40_000, gt=0)
+    idempotent: bool = False
+    acks: Literal["0", "1", "all"] = "all"
+    compression: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
+    session_timeout_ms: int = Field(10_000, gt=0)
+    heartbeat_interval_ms: int = Field(3_000, gt=0)
+    # anything else aiokafka accepts, passed through unchanged (AIOKafkaProducer / AIOKafkaConsumer
+    # keyword arguments, e.g. {"metadata_max_age_ms": 5000}); they win over the fields above
+    producer_options: dict[str, Any] = Field(default_factory=dict)
+    consumer_options: dict[str, Any] = Field(default_factory=dict)
+
+
+class TopicSpec(_Section):
+    name: str = Field(min_length=1)
+    partitions: int = Field(6, gt=0)
+    replication_factor: int = Field(1, gt=0)
+    retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=-1)
+
+
+def _topic(name: str, partitions: int = 6, retention_h: int = 24 * 7) -> Any:
+    return Field(
+        default_factory=lambda: TopicSpec(
+            name=name, partitions=partitions, retention_ms=retention_h * 3600 * 1000
+        )
+    )
+
+
+class TopicsSettings(_Section):
+    """Topic names are ``prefix + spec.name`` (``kvguard.events``)."""
+
+    prefix: str = "kvguard."
+    events: TopicSpec = _topic("events", 12, 24)
+    metrics: TopicSpec = _topic("metrics", 6, 24 * 7)
+    alerts: TopicSpec = _topic("alerts", 3, 24 * 30)
+    commands: TopicSpec = _topic("commands", 6, 24)
+    acks: TopicSpec = _topic("acks", 6, 24 * 7)
+    dlq: TopicSpec = _topic("dlq", 3, 24 * 30)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_defaults(cls, data: Any) -> Any:
+        # a partial spec ({"partitions": 3}) keeps the kind's other defaults (its name above all)
+        if not isinstance(data, Mapping):
+            return data
+        merged = dict(data)
+        for kind in TOPIC_KINDS:
+            given = merged.get(kind)
+            if isinstance(given, Mapping):
+                default = cls.model_fields[kind].default_factory().model_dump()
+                merged[kind] = {**default, **given}
+        return merged
+
+    def name(self, kind: str) -> str:
+        """Full topic name of one kind: ``name("events") -> "kvguard.events"``."""
+        return self.prefix + self.spec(kind).name
+
+    def spec(self, kind: str) -> TopicSpec:
+        if kind not in TOPIC_KINDS:
+            raise KeyError(f"unknown topic kind {kind!r}; expected one of {', '.join(TOPIC_KINDS)}")
+        return getattr(self, kind)
+
+    def all(self) -> dict[str, TopicSpec]:
+        """Full name -> spec, for every topic kvguard uses."""
+        return {self.name(kind): self.spec(kind) for kind in TOPIC_KINDS}
+
+
+class RedisSettings(_Section):
+    url: str = "redis://127.0.0.1:6379/0"
+    password: str | None = None
+    tls: bool = False
+    ssl_cafile: str | None = None
+
+
+class StreamsSettings(_Section):
+    tick_s: float = Field(10.0, gt=0)
+    alpha: float = Field(2.0, ge=0)
+    beta: float = Field(1.0, ge=0)
+    reserved_frac: float = Field(0.05, ge=0, lt=1)
+    slope_window_s: float = Field(300.0, gt=0)
+    # DESIGN §4 tier 1: threshold
+    u_kv_warning: float = Field(0.88, ge=0, le=1)
+    u_kv_critical: float = Field(0.90, ge=0, le=1)
+    psi_critical: float = Field(0.95, ge=0)
+    threshold_for_s: float = Field(0.0, ge=0)
+    # tier 2: slope and the KVCacheOOMRisk fragmentation rule
+    slope_per_min: float = Field(0.05, ge=0)
+    slope_for_s: float = Field(0.0, ge=0)
+    frag_u_kv: float = Field(0.88, ge=0, le=1)
+    frag_f_ext: float = Field(0.5, ge=0, le=1)
+    frag_for_s: float = Field(120.0, ge=0)
+    # tier 3: LSTM
+    lstm_for_s: float = Field(0.0, ge=0)
+    resolve_for_s: float = Field(30.0, ge=0)
+
+
+class PredictorSettings(_Section):
+    model_path: str | None = None
+    threshold: float = Field(0.5, ge=0, le=1)
+    window_s: float = Field(1800.0, gt=0)
+    horizon_s: float = Field(300.0, gt=0)
+
+
+class PolicySettings(_Section):
+    preset: Literal["default", "emergency"] = "default"
+    hmac_secret: str = Field("", repr=False)
+    command_ttl_s: float = Field(30.0, gt=0)
+    async_scan_s: float = Field(30.0, gt=0)
+
+
+class BudgetSettings(_Section):
+    minutes_per_week: float = Field(60.0, gt=0)
+    f_ext_threshold: float = Field(0.5, ge=0, le=1)
+    retention_weeks: int = Field(8, gt=0)
+    key_prefix: str = "kvguard:budget"
+
+
+class NodeSettings(_Section):
+    node_id: str | None = None
+    flush_interval_s: float = Field(0.5, gt=0)
+    max_batch_events: int = Field(65_536, gt=0)
+    # outage buffer of the node publisher: batches held while the broker is unreachable
+    max_buffered_batches: int = Field(10_000, gt=0)
+    max_buffered_events: int = Field(5_000_000, gt=0)
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    topics: TopicsSettings = Field(default_factory=TopicsSettings)
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    streams: StreamsSettings = Field(default_factory=StreamsSettings)
+    predictor: PredictorSettings = Field(default_factory=PredictorSettings)
+    policy: PolicySettings = Field(default_factory=PolicySettings)
+    budget: BudgetSettings = Field(default_factory=BudgetSettings)
+    node: NodeSettings = Field(default_factory=NodeSettings)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> "Settings":
+        """Defaults < file (``path`` or ``$KVGUARD_CONFIG``) < env ``KVGUARD_*__*`` < ``overrides``.
+
+        ``overrides`` is a nested dict (``{"kafka": {"bootstrap": "h:9092"}}``), e.g. from CLI flags.
+        """
+        env = os.environ if env is None else env
+        data: dict[str, Any] = {}
+        sources: dict[tuple[str, ...], str] = {}
+        file_path = path if path is not None else env.get(ENV_CONFIG_FILE) or None
+        if file_path is not None:
+            file_data = _read_file(Path(file_path))
+            _merge(data, file_data, sources, f"file {file_path}", ())
+        env_data = _env_tree(env, sources)
+        _merge(data, env_data, {}, "", ())
+        if overrides:
+            _merge(data, dict(overrides), sources, "overrides", ())
+        return cls.from_dict(data, sources=sources)
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], *, sources: Mapping[tuple[str, ...], str] | None = None
+    ) -> "Settings":
+        try:
+            return cls.model_validate(dict(data))
+        except ValidationError as exc:
+            raise _config_error(exc, sources or {}) from None
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError("<file>", f"cannot read {path}: {exc.strerror}") from None
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(raw)
+        else:
+            data = tomllib.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError("<file>", f"{path} is not valid {path.suffix.lstrip('.') or 'TOML'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("<file>", f"{path} must hold a table/object at the top level")
+    return data
+
+
+def _env_tree(env: Mapping[str, str], sources: dict[tuple[str, ...], str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        parts = tuple(p.lower() for p in name[len(ENV_PREFIX):].split("__"))
+        if any(not p for p in parts):
+            raise ConfigError(".".join(parts), "empty name part", f"env {name}")
+        node = tree
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(".".join(parts), "conflicts with another variable", f"env {name}")
+            node = child
+        text = value.strip()
+        if text[:1] in "[{":
+            try:
+                node[parts[-1]] = json.loads(text)
+            except ValueError as exc:
+                raise ConfigError(".".join(parts), f"not valid JSON: {exc}", f"env {name}") from None
+        else:
+            node[parts[-1]] = value
+        sources[parts] = f"env {name}"
+    return tree
+
+
+def _merge(
+    into: dict[str, Any],
+    new: Mapping[str, Any],
+    sources: dict[tuple[str, ...], str],
+    label: str,
+    prefix: tuple[str, ...],
+) -> None:
+    for key, value in new.items():
+        path = prefix + (str(key),)
+        if isinstance(value, Mapping):
+            if not isinstance(into.get(key), dict):
+                into[key] = {}
+            _merge(into[key], value, sources, label, path)
+        else:
+            into[key] = value
+        if label and not isinstance(value, Mapping):
+            sources[path] = label
+
+
+_PROBLEMS = {
+    "greater_than_equal": "must be ≥ {ge}",
+    "greater_than": "must be > {gt}",
+    "less_than_equal": "must be ≤ {le}",
+    "less_than": "must be < {lt}",
+    "extra_forbidden": "unknown setting",
+    "literal_error": "must be one of {expected}",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_parsing": "must be a number",
+    "bool_parsing": "must be true or false",
+    "string_too_short": "must not be empty",
+}
+
+
+def _config_error(exc: ValidationError, sources: Mapping[tuple[str, ...], str]) -> ConfigError:
+    err = exc.errors(include_url=False)[0]
+    loc = tuple(str(p) for p in err["loc"])
+    template = _PROBLEMS.get(err["type"])
+    ctx = {k: (f"{v:g}" if isinstance(v, float) else v) for k, v in (err.get("ctx") or {}).items()}
+    problem = template.format(**ctx) if template else err["msg"]
+    if len(exc.errors()) > 1:
+        problem += f" (and {len(exc.errors()) - 1} more problem(s))"
+    source = sources.get(loc)
+    if source is None:
+        # a whole-section source: the nearest enclosing path with a known origin
+        for n in range(len(loc) - 1, 0, -1):
+            if loc[:n] in sources:
+                source = sources[loc[:n]]
+                break
+    return ConfigError(".".join(loc) or "<root>", problem, source)

@@ -1,0 +1,329 @@
+"""SLO ledger: per ISO week, how well kvguard predicted and prevented OOMs.
+
+Three records, each idempotent so replays and redelivery never double count:
+
+- prediction outcomes at the operating threshold (TP/FP/TN/FN), one per (node, tick). A tick's
+  outcome is only known ``horizon_s`` later (was there an OOM in (t, t + horizon]?);
+  ``OutcomeTracker`` turns ticks and OOMs into outcomes. Idempotency is a per-node, per-week
+  watermark: an outcome counts only if its ts_ns is later than the last counted one of that node,
+  which holds for the in-order per-node stream the bus delivers (key = node) and costs O(nodes)
+  instead of a key per tick.
+- OOMs with the lead time each tier (threshold, slope, fragmentation, lstm) gave, keyed by
+  (node, OOM ts_ns); lead 0 means the tier missed it.
+- evictions keyed by (node, request, ts_ns), and the later outcome of each evicted request
+  (completed or failed), first outcome wins; the completion rate counts in the eviction's week.
+
+Pure core: no clock, no Redis; policy/slo_redis.py stores the same records in Redis.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Protocol
+
+from policy.budget import NS_PER_S, iso_week, parse_week, shift_week
+
+TIERS = ("threshold", "slope", "fragmentation", "lstm")
+PENDING, COMPLETED, FAILED = "pending", "completed", "failed"
+
+
+class SloConfigError(ValueError):
+    def __init__(self, field_name: str, value: Any, expected: str) -> None:
+        super().__init__(f"slo.{field_name}={value!r}: expected {expected}")
+        self.field_name = field_name
+
+
+@dataclass(slots=True, frozen=True)
+class SloConfig:
+    recall_target: float = 0.90
+    fpr_target: float = 0.05
+    horizon_s: float = 300.0
+    retention_weeks: int = 5
+    key_prefix: str = "kvguard:"
+    buffer_max: int = 100_000
+
+    def __post_init__(self) -> None:
+        for name in ("recall_target", "fpr_target"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise SloConfigError(name, getattr(self, name), "a fraction in [0, 1]")
+        if not self.horizon_s > 0:
+            raise SloConfigError("horizon_s", self.horizon_s, "seconds > 0")
+        if self.retention_weeks < 1:
+            raise SloConfigError("retention_weeks", self.retention_weeks, "an integer >= 1")
+        if self.buffer_max < 1:
+            raise SloConfigError("buffer_max", self.buffer_max, "an integer >= 1")
+
+    @property
+    def retention_s(self) -> int:
+        return (self.retention_weeks + 1) * 7 * 86_400
+
+    @classmethod
+    def from_settings(cls, settings: Any, **overrides: Any) -> "SloConfig":
+        """Shares the budget's key prefix and retention (kvguard/settings.py ``budget``) and the
+        predictor's horizon."""
+        budget = getattr(settings, "budget", None)
+        values: dict[str, Any] = {}
+        prefix = getattr(budget, "key_prefix", None)
+        if prefix:
+            values["key_prefix"] = prefix if prefix.endswith(":") else f"{prefix}:"
+        if getattr(budget, "retention_weeks", None):
+            values["retention_weeks"] = budget.retention_weeks
+        horizon = getattr(getattr(settings, "predictor", None), "horizon_s", None)
+        if horizon:
+            values["horizon_s"] = horizon
+        values.update(overrides)
+        return cls(**values)
+
+
+def check_tier(tier: str) -> str:
+    if not tier or not tier.replace("_", "").isalnum() or "|" in tier:
+        raise ValueError(f"tier {tier!r}: expected a name such as {', '.join(TIERS)}")
+    return tier
+
+
+# ----------------------------------------------------------------------------- report
+
+@dataclass(slots=True, frozen=True)
+class TierLeads:
+    tier: str
+    lead_times_s: tuple[float, ...]  # one per OOM, 0 = missed
+
+    @property
+    def detected(self) -> int:
+        return sum(1 for lead in self.lead_times_s if lead > 0)
+
+    @property
+    def median_lead_s(self) -> float | None:
+        detected = [lead for lead in self.lead_times_s if lead > 0]
+        return statistics.median(detected) if detected else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tier": self.tier, "ooms": len(self.lead_times_s), "detected": self.detected,
+                "median_lead_s": self.median_lead_s,
+                "mean_lead_s": (sum(self.lead_times_s) / len(self.lead_times_s)
+                                if self.lead_times_s else None)}
+
+
+def _ratio(numerator: int, denominator: int) -> float | None:
+    return numerator / denominator if denominator else None
+
+
+@dataclass(slots=True, frozen=True)
+class SloReport:
+    week: str
+    tp: int
+    fp: int
+    tn: int
+    fn: int
+    ooms: int
+    tiers: tuple[TierLeads, ...]
+    evictions: int
+    evicted_requests: int
+    completed: int
+    failed: int
+    recall_target: float = 0.90
+    fpr_target: float = 0.05
+
+    @property
+    def precision(self) -> float | None:
+        return _ratio(self.tp, self.tp + self.fp)
+
+    @property
+    def recall(self) -> float | None:
+        return _ratio(self.tp, self.tp + self.fn)
+
+    @property
+    def fpr(self) -> float | None:
+        return _ratio(self.fp, self.fp + self.tn)
+
+    @property
+    def completion_rate(self) -> float | None:
+        return _ratio(self.completed, self.completed + self.failed)
+
+    @property
+    def pending(self) -> int:
+        return self.evicted_requests - self.completed - self.failed
+
+    @property
+    def recall_met(self) -> bool | None:
+        return None if self.recall is None else self.recall >= self.recall_target
+
+    @property
+    def fpr_met(self) -> bool | None:
+        return None if self.fpr is None else self.fpr <= self.fpr_target
+
+    @property
+    def slo_met(self) -> bool | None:
+        """True/False when both are measurable; None when a week lacks positives or negatives."""
+        if self.recall_met is None or self.fpr_met is None:
+            return None
+        return self.recall_met and self.fpr_met
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"week": self.week,
+                "predictions": {"tp": self.tp, "fp": self.fp, "tn": self.tn, "fn": self.fn,
+                                "precision": self.precision, "recall": self.recall,
+                                "fpr": self.fpr},
+                "slo": {"recall_target": self.recall_target, "fpr_target": self.fpr_target,
+                        "recall_met": self.recall_met, "fpr_met": self.fpr_met,
+                        "met": self.slo_met},
+                "ooms": self.ooms, "tiers": [t.to_dict() for t in self.tiers],
+                "evictions": {"events": self.evictions, "requests": self.evicted_requests,
+                              "completed": self.completed, "failed": self.failed,
+                              "pending": self.pending, "completion_rate": self.completion_rate}}
+
+
+def order_tiers(names: Iterable[str]) -> list[str]:
+    names = set(names)
+    return [t for t in TIERS if t in names] + sorted(names - set(TIERS))
+
+
+class SloLedger(Protocol):
+    config: SloConfig
+
+    def record_prediction(self, node: str, ts_ns: int, predicted: bool, actual: bool) -> bool: ...
+
+    def record_oom(self, node: str, ts_ns: int, lead_s_by_tier: Mapping[str, float]) -> bool: ...
+
+    def record_eviction(self, node: str, req: str, ts_ns: int) -> bool: ...
+
+    def record_eviction_outcome(self, node: str, req: str, completed: bool) -> bool: ...
+
+    def report(self, week: str) -> SloReport: ...
+
+    def weeks(self) -> list[str]: ...
+
+    def close(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------- memory ledger
+
+@dataclass(slots=True)
+class _SloWeek:
+    counts: dict[str, int] = field(default_factory=lambda: {"tp": 0, "fp": 0, "tn": 0, "fn": 0})
+    watermark: dict[str, int] = field(default_factory=dict)
+    ooms: set[tuple[str, int]] = field(default_factory=set)
+    leads: dict[str, dict[tuple[str, int], float]] = field(default_factory=dict)
+    evictions: set[tuple[str, str, int]] = field(default_factory=set)
+    evicted: dict[tuple[str, str], str] = field(default_factory=dict)
+
+
+class MemorySloLedger:
+    """The embedded SLO ledger. Record methods return True when the record counted."""
+
+    def __init__(self, config: SloConfig | None = None) -> None:
+        self.config = config or SloConfig()
+        self._weeks: dict[str, _SloWeek] = {}
+        self._eviction_week: dict[tuple[str, str], str] = {}
+
+    def record_prediction(self, node: str, ts_ns: int, predicted: bool, actual: bool) -> bool:
+        week = self._week(ts_ns)
+        if ts_ns <= week.watermark.get(node, -1 << 63):
+            return False
+        week.watermark[node] = ts_ns
+        week.counts[outcome_field(predicted, actual)] += 1
+        return True
+
+    def record_oom(self, node: str, ts_ns: int, lead_s_by_tier: Mapping[str, float]) -> bool:
+        week = self._week(ts_ns)
+        if (node, ts_ns) in week.ooms:
+            return False
+        week.ooms.add((node, ts_ns))
+        for tier, lead_s in lead_s_by_tier.items():
+            week.leads.setdefault(check_tier(tier), {})[(node, ts_ns)] = max(0.0, float(lead_s))
+        return True
+
+    def record_eviction(self, node: str, req: str, ts_ns: int) -> bool:
+        week_label = iso_week(ts_ns)
+        week = self._week(ts_ns)
+        if (node, str(req), ts_ns) in week.evictions:
+            return False
+        week.evictions.add((node, str(req), ts_ns))
+        week.evicted.setdefault((node, str(req)), PENDING)
+        self._eviction_week.setdefault((node, str(req)), week_label)
+        return True
+
+    def record_eviction_outcome(self, node: str, req: str, completed: bool) -> bool:
+        week_label = self._eviction_week.get((node, str(req)))
+        week = self._weeks.get(week_label) if week_label else None
+        if week is None or week.evicted.get((node, str(req))) != PENDING:
+            return False
+        week.evicted[(node, str(req))] = COMPLETED if completed else FAILED
+        return True
+
+    def report(self, week: str) -> SloReport:
+        parse_week(week)
+        data = self._weeks.get(week) or _SloWeek()
+        tiers = tuple(TierLeads(t, tuple(data.leads[t][k] for k in sorted(data.leads[t])))
+                      for t in order_tiers(data.leads))
+        states = list(data.evicted.values())
+        return SloReport(week=week, **data.counts, ooms=len(data.ooms), tiers=tiers,
+                         evictions=len(data.evictions), evicted_requests=len(states),
+                         completed=states.count(COMPLETED), failed=states.count(FAILED),
+                         recall_target=self.config.recall_target,
+                         fpr_target=self.config.fpr_target)
+
+    def weeks(self) -> list[str]:
+        return sorted(self._weeks)
+
+    def close(self) -> None:
+        pass
+
+    def _week(self, ts_ns: int) -> _SloWeek:
+        label = iso_week(ts_ns)
+        week = self._weeks.get(label)
+        if week is None:
+            week = self._weeks[label] = _SloWeek()
+            oldest_kept = shift_week(max(self._weeks), -self.config.retention_weeks)
+            for old in [w for w in self._weeks if w < oldest_kept and w != label]:
+                del self._weeks[old]
+            self._eviction_week = {k: w for k, w in self._eviction_week.items() if w in self._weeks}
+        return week
+
+
+def outcome_field(predicted: bool, actual: bool) -> str:
+    return ("tp" if actual else "fp") if predicted else ("fn" if actual else "tn")
+
+
+# ----------------------------------------------------------------------------- labelling
+
+@dataclass(slots=True, frozen=True)
+class PredictionOutcome:
+    node: str
+    ts_ns: int
+    predicted: bool
+    actual: bool
+
+
+class OutcomeTracker:
+    """Labels predictions once their horizon has passed: the tick at t is positive if an OOM
+    happened on its node in (t, t + horizon]. Feed ticks and OOMs in event time per node,
+    then ``resolve(now_ns)`` returns the outcomes whose horizon ended by ``now_ns``."""
+
+    def __init__(self, threshold: float, horizon_s: float = 300.0) -> None:
+        self.threshold = threshold
+        self.horizon_ns = int(horizon_s * NS_PER_S)
+        self._pending: dict[str, deque[tuple[int, bool]]] = {}
+        self._ooms: dict[str, deque[int]] = {}
+
+    def observe_tick(self, node: str, ts_ns: int, p_oom: float | None) -> None:
+        if p_oom is None:
+            return
+        self._pending.setdefault(node, deque()).append((ts_ns, p_oom >= self.threshold))
+
+    def observe_oom(self, node: str, ts_ns: int) -> None:
+        self._ooms.setdefault(node, deque()).append(ts_ns)
+
+    def resolve(self, now_ns: int) -> list[PredictionOutcome]:
+        outcomes = []
+        for node, pending in self._pending.items():
+            ooms = self._ooms.get(node, deque())
+            while pending and pending[0][0] + self.horizon_ns <= now_ns:
+                ts_ns, predicted = pending.popleft()
+                while ooms and ooms[0] <= ts_ns:
+                    ooms.popleft()
+                actual = bool(ooms) and ooms[0] <= ts_ns + self.horizon_ns
+                outcomes.append(PredictionOutcome(node, ts_ns, predicted, actual))
+        return outcomes

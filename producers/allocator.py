@@ -1,0 +1,169 @@
+"""A contiguous free-run allocator over an arena of ``total_units`` units, with coalescing.
+
+Free runs are kept three ways so that every hot operation is a dict lookup plus a bisect:
+``_size_of[start]`` and ``_start_of_end[end]`` find a freed block's neighbours in O(1) for
+coalescing, and ``_keys``, a sorted list of ``size * K + start`` integers (K = total_units + 1),
+orders runs by (size, start) so best fit is one ``bisect`` away and the largest run is the last
+key. A list insert/delete is a memmove of machine words, far cheaper than a tree at the run
+counts a GPU pool sees. Invariant: no two free runs are adjacent (they are always merged).
+
+Aligned requests (a page of c units at an offset that is a multiple of c) can skip runs that are
+long enough but misaligned; the scan only visits runs shorter than ``size + align - 1``, since any
+longer run always holds an aligned block.
+
+The allocator does not know what occupies the units: the pool keeps that.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+
+FITS = ("best", "first")
+
+
+class FreeRunAllocator:
+    def __init__(self, total_units: int, fit: str = "best"):
+        if total_units <= 0:
+            raise ValueError(f"total_units: expected a positive integer, got {total_units!r}")
+        if fit not in FITS:
+            raise ValueError(f"fit: expected one of {FITS}, got {fit!r}")
+        self.total_units = total_units
+        self.fit = fit
+        self._k = total_units + 1
+        self._size_of: dict[int, int] = {}
+        self._start_of_end: dict[int, int] = {}
+        self._keys: list[int] = []
+        self._starts: list[int] | None = [] if fit == "first" else None
+        self.free_units = 0
+        self.reset()
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def largest(self) -> int:
+        return self._keys[-1] // self._k if self._keys else 0
+
+    @property
+    def n_runs(self) -> int:
+        return len(self._keys)
+
+    def runs(self) -> tuple[list[int], list[int]]:
+        """Free runs sorted by offset: (offsets, sizes)."""
+        starts = sorted(self._size_of)
+        return starts, [self._size_of[s] for s in starts]
+
+    def run_at(self, start: int) -> int | None:
+        return self._size_of.get(start)
+
+    def run_ending_at(self, end: int) -> int | None:
+        """Start of the free run that ends at ``end`` (exclusive), if any."""
+        return self._start_of_end.get(end)
+
+    def sizes_ascending(self):
+        """(size, start) of every free run, smallest first."""
+        k = self._k
+        for key in self._keys:
+            yield key // k, key % k
+
+    # ---- mutation ------------------------------------------------------------------------
+    def reset(self) -> None:
+        self._size_of.clear()
+        self._start_of_end.clear()
+        self._keys.clear()
+        if self._starts is not None:
+            self._starts.clear()
+        self.free_units = 0
+        self._add(0, self.total_units)
+
+    def find(self, size: int, align: int = 1, avoid: tuple[int, int] | None = None) -> tuple[int, int] | None:
+        """Where a block of ``size`` units aligned to ``align`` would go: (run start, block offset).
+
+        ``avoid`` = (start, end) skips free runs touching that span (used by migrate). No mutation.
+        """
+        if size <= 0 or size > self.largest:
+            return None
+        if self._starts is not None:
+            for start in self._starts:
+                hit = self._place(start, self._size_of[start], size, align, avoid)
+                if hit is not None:
+                    return start, hit
+            return None
+        k = self._k
+        keys = self._keys
+        for i in range(bisect_left(keys, size * k), len(keys)):
+            run_size, start = divmod(keys[i], k)
+            hit = self._place(start, run_size, size, align, avoid)
+            if hit is not None:
+                return start, hit
+        return None
+
+    def alloc(self, size: int, align: int = 1) -> int | None:
+        """Take a block; return its offset, or None (nothing changed) when no run fits."""
+        found = self.find(size, align)
+        if found is None:
+            return None
+        self.take(found[0], found[1], size)
+        return found[1]
+
+    def take(self, run_start: int, offset: int, size: int) -> None:
+        """Remove [offset, offset+size) from the free run starting at ``run_start``."""
+        run_size = self._size_of.get(run_start)
+        if run_size is None or offset < run_start or offset + size > run_start + run_size:
+            raise ValueError(f"take: [{offset}, {offset + size}) is not inside a free run at {run_start}")
+        self._remove(run_start, run_size)
+        if offset > run_start:
+            self._add(run_start, offset - run_start)
+        end, run_end = offset + size, run_start + run_size
+        if run_end > end:
+            self._add(end, run_end - end)
+
+    def free(self, offset: int, size: int) -> None:
+        """Return [offset, offset+size) and merge it with free neighbours."""
+        if size <= 0 or offset < 0 or offset + size > self.total_units:
+            raise ValueError(f"free: [{offset}, {offset + size}) is outside the arena of {self.total_units}")
+        if offset in self._size_of or (offset + size) in self._start_of_end:
+            raise ValueError(f"free: [{offset}, {offset + size}) overlaps a free run (double free)")
+        start, end = offset, offset + size
+        left = self._start_of_end.get(start)
+        if left is not None:
+            self._remove(left, start - left)
+            start = left
+        right_size = self._size_of.get(end)
+        if right_size is not None:
+            self._remove(end, right_size)
+            end += right_size
+        self._add(start, end - start)
+
+    # ---- internals -----------------------------------------------------------------------
+    @staticmethod
+    def _place(start: int, run_size: int, size: int, align: int, avoid) -> int | None:
+        """Offset for the block inside run (start, run_size), flush with an edge where alignment
+        allows (fewer leftover fragments), or None."""
+        end = start + run_size
+        if avoid is not None and start <= avoid[1] and end >= avoid[0]:
+            return None
+        if align == 1:
+            return start if run_size >= size else None
+        low = -(-start // align) * align
+        if low + size > end:
+            return None
+        if low == start:
+            return low
+        high = (end - size) // align * align
+        return high if high + size == end else low
+
+    def _add(self, start: int, size: int) -> None:
+        self._size_of[start] = size
+        self._start_of_end[start + size] = start
+        insort(self._keys, size * self._k + start)
+        if self._starts is not None:
+            insort(self._starts, start)
+        self.free_units += size
+
+    def _remove(self, start: int, size: int) -> None:
+        del self._size_of[start]
+        del self._start_of_end[start + size]
+        keys = self._keys
+        del keys[bisect_left(keys, size * self._k + start)]
+        if self._starts is not None:
+            del self._starts[bisect_left(self._starts, start)]
+        self.free_units -= size

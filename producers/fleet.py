@@ -1,0 +1,142 @@
+"""Several simulated GPUs behind a router: one ``Engine`` + ``PagedPool`` per GPU, node ids
+``sim-0/gpu0`` … . Requests are routed when they arrive (least outstanding tokens by default, ties to
+the lowest GPU index, so runs are deterministic), and every node's events are drained as
+``EventBatch``es with increasing ``seq``, one ``epoch`` per run, the geometry on the first batch and on
+every snapshot batch, and a SNAPSHOT + ``PoolState`` every ``snapshot_every_s`` of event time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from kvguard.events import EVENT_DTYPE, EventBatch
+from producers.engine import NS, Engine, EngineConfig, RunSummary
+from producers.profiles import Profile
+from producers.workloads import Request, Workload
+
+
+def _route_least_loaded(engines: list[Engine], request: Request) -> int:
+    loads = [e.outstanding_tokens() + (0 if e.down_until_ns <= e.now_ns else 1 << 40) for e in engines]
+    return int(np.argmin(loads))
+
+
+def _route_round_robin(engines: list[Engine], request: Request) -> int:
+    return request.req_id % len(engines)
+
+
+ROUTERS: dict[str, Callable[[list[Engine], Request], int]] = {
+    "least_loaded": _route_least_loaded,
+    "round_robin": _route_round_robin,
+}
+
+
+def make_pool(profile: Profile, node: str, *, retain_ttl_s: float = 300.0, checkpoint_dir=None):
+    from producers.pool import PagedPool
+
+    return PagedPool(profile.geometry, node=node, swap_capacity_units=profile.swap_capacity_units,
+                     checkpoint_dir=checkpoint_dir, retain_ttl_ns=int(retain_ttl_s * NS), fit="best")
+
+
+class Fleet:
+    def __init__(self, n_gpus: int, profile: Profile, *, seed: int = 0, router: str = "least_loaded",
+                 config: EngineConfig | None = None, snapshot_every_s: float = 60.0, host: str = "sim-0"):
+        if n_gpus < 1:
+            raise ValueError(f"n_gpus: expected >= 1, got {n_gpus}")
+        if router not in ROUTERS:
+            raise ValueError(f"router: expected one of {sorted(ROUTERS)}, got {router!r}")
+        self.profile = profile
+        self.seed = seed
+        self.epoch = seed
+        self.router = ROUTERS[router]
+        self.snapshot_every_ns = int(snapshot_every_s * NS)
+        self.engines = [Engine(make_pool(profile, f"{host}/gpu{i}"), profile, node=f"{host}/gpu{i}",
+                               seed=seed, config=config) for i in range(n_gpus)]
+        self.nodes = [e.node for e in self.engines]
+        self.now_ns = 0
+        self._pending: list[Request] = []
+        self._next = 0
+        self._seq = [0] * n_gpus
+        self._next_snapshot_ns = [0] * n_gpus
+        self._last_ts = [0] * n_gpus
+        self.routed = [0] * n_gpus
+
+    def submit_workload(self, workload: Workload | Iterable[Request]) -> None:
+        """Queue requests; each is routed to a GPU when the fleet clock reaches its arrival."""
+        requests = workload.requests if isinstance(workload, Workload) else list(workload)
+        self._pending = sorted(self._pending[self._next:] + list(requests), key=lambda r: (r.arrival_ns, r.req_id))
+        self._next = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending) - self._next
+
+    def advance(self, until_ns: int) -> None:
+        """Route arrivals up to ``until_ns`` (each with the engines advanced to its arrival time)
+        and run every engine up to ``until_ns``."""
+        while self._next < len(self._pending) and self._pending[self._next].arrival_ns <= until_ns:
+            r = self._pending[self._next]
+            self._next += 1
+            for e in self.engines:
+                e.advance(r.arrival_ns)
+            i = self.router(self.engines, r)
+            self.routed[i] += 1
+            self.engines[i].submit(r)
+        for e in self.engines:
+            e.advance(until_ns)
+        self.now_ns = max(self.now_ns, until_ns)
+
+    def take_batches(self, now_ns: int) -> list[EventBatch]:
+        """One batch per node with new events (or a due snapshot), in node order."""
+        out = []
+        for i, e in enumerate(self.engines):
+            events = e.take_events()
+            if len(events):
+                self._last_ts[i] = max(self._last_ts[i], int(events["ts_ns"].max()))
+            state = None
+            if now_ns >= self._next_snapshot_ns[i]:
+                ts = max(now_ns, self._last_ts[i])
+                state = e.pool.snapshot(ts)
+                tail = e.take_events()
+                events = np.concatenate([events, tail]) if len(events) else tail
+                self._next_snapshot_ns[i] = now_ns + self.snapshot_every_ns
+            if not len(events) and state is None:
+                continue
+            first = self._seq[i] == 0
+            out.append(EventBatch(node=e.node, seq=self._seq[i], events=np.ascontiguousarray(events, dtype=EVENT_DTYPE),
+                                  epoch=self.epoch, geometry=self.profile.geometry if (first or state is not None) else None,
+                                  state=state))
+            self._seq[i] += 1
+        return out
+
+    def summary(self) -> RunSummary:
+        """Fleet-wide outcomes; percentiles over every GPU's requests."""
+        sims = [e.summary() for e in self.engines]
+        ttft = np.concatenate([np.asarray(e._ttft_ns, dtype=np.float64) for e in self.engines])
+        tpot = np.concatenate([np.asarray(e._tpot_ns, dtype=np.float64) for e in self.engines])
+
+        def pct(values, q):
+            return round(float(np.percentile(values, q)) / NS, 6) if len(values) else None
+
+        sim_s = max(e.now_ns for e in self.engines) / NS
+        return RunSummary(
+            requests=sum(s.requests for s in sims), completed=sum(s.completed for s in sims),
+            failed=sum(s.failed for s in sims), ooms=sum(s.ooms for s in sims),
+            preemptions=sum(s.preemptions for s in sims), ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),
+            tpot_p50_s=pct(tpot, 50), tpot_p99_s=pct(tpot, 99),
+            goodput_tokens_per_s=round(sum(e.goodput_tokens for e in self.engines) / sim_s, 3) if sim_s > 0 else 0.0,
+            downtime_s=round(sum(s.downtime_s for s in sims), 3), sim_seconds=round(sim_s, 3),
+            events=sum(s.events for s in sims),
+        )
+
+    def per_gpu(self) -> list[dict]:
+        out = []
+        for i, e in enumerate(self.engines):
+            d = e.summary().to_dict()
+            d["node"] = e.node
+            d["routed"] = self.routed[i]
+            d["priority_defaulted"] = e.priority_defaulted
+            d["steps"] = e.steps
+            out.append(d)
+        return out

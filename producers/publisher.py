@@ -1,0 +1,244 @@
+"""The node publisher: drains event batches from a source and publishes them to the events topic.
+
+A *source* is any callable returning ``list[EventBatch]`` (``fleet.take_batches`` bound to a clock,
+or a pool's ``take_events`` wrapped into batches). The publisher never touches the pool itself.
+
+Two loops share one bounded buffer:
+- the drainer calls the source every ``flush_interval_s`` (sooner when the buffer holds
+  ``max_batch_events`` events), encodes each batch once, and appends it. When the buffer passes
+  ``max_buffered_batches`` or ``max_buffered_events`` (a long broker outage), the *oldest* batches
+  not in flight are dropped and counted (``batches_dropped`` / ``events_dropped``); the consumer
+  sees the seq gap and resynchronises on the next SNAPSHOT. Nothing is dropped before the bound;
+- the sender publishes the buffer head in windows of at most ``max_in_flight`` batches, removes
+  what the broker acknowledged and retries the rest with backoff, so it rides through outages
+  and resumes by itself when the broker is back. (A batch that failed while a later one got
+  through is sent again after it: consumers order by ``(epoch, seq)`` and drop duplicates.)
+
+Memory is bounded by ``max_buffered_* + max_in_flight`` encoded batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvguard.bus.base import Bus, BusClosed
+from kvguard.events import EventBatch
+from kvguard.schemas import batch_headers, encode_batch
+
+log = logging.getLogger(__name__)
+
+BatchSource = Callable[[], list[EventBatch]]
+
+
+@dataclass(slots=True)
+class PublisherCounters:
+    batches_taken: int = 0
+    events_taken: int = 0
+    batches_published: int = 0
+    events_published: int = 0
+    batches_dropped: int = 0
+    events_dropped: int = 0
+    publish_failures: int = 0  # sends that failed and were retried
+    buffered_batches: int = 0
+    buffered_events: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass(slots=True)
+class _Entry:
+    node: str
+    value: bytes
+    headers: list[tuple[str, bytes]]
+    events: int
+    in_flight: bool = False
+
+
+class NodePublisher:
+    def __init__(
+        self,
+        bus: Bus,
+        topic: str,
+        source: BatchSource,
+        *,
+        flush_interval_s: float = 0.5,
+        max_batch_events: int = 65_536,
+        max_buffered_batches: int = 10_000,
+        max_buffered_events: int = 5_000_000,
+        max_in_flight: int = 256,
+        retry_backoff_s: tuple[float, float] = (0.05, 2.0),
+    ):
+        if flush_interval_s <= 0:
+            raise ValueError(f"flush_interval_s must be > 0, got {flush_interval_s}")
+        if max_buffered_batches <= 0 or max_buffered_events <= 0 or max_in_flight <= 0:
+            raise ValueError("max_buffered_batches, max_buffered_events and max_in_flight must be > 0")
+        self.bus = bus
+        self.topic = topic
+        self.source = source
+        self.flush_interval_s = flush_interval_s
+        self.max_batch_events = max_batch_events
+        self.max_buffered_batches = max_buffered_batches
+        self.max_buffered_events = max_buffered_events
+        self.max_in_flight = max_in_flight
+        self.retry_backoff_s = retry_backoff_s
+        self.counters = PublisherCounters()
+        self._buffer: OrderedDict[int, _Entry] = OrderedDict()
+        self._next_id = 0
+        self._have_data = asyncio.Event()
+        self._stopping = False
+
+    @classmethod
+    def from_settings(cls, bus: Bus, settings, source: BatchSource, **overrides) -> "NodePublisher":
+        node = settings.node
+        options = dict(
+            flush_interval_s=node.flush_interval_s, max_batch_events=node.max_batch_events,
+            max_buffered_batches=node.max_buffered_batches, max_buffered_events=node.max_buffered_events,
+        )
+        options.update(overrides)
+        return cls(bus, settings.topics.name("events"), source, **options)
+
+    # buffer ----------------------------------------------------------------------------------
+    def drain(self) -> int:
+        """Take every batch the source has into the buffer (dropping the oldest past the bound)."""
+        batches = self.source()
+        for batch in batches:
+            self._append(batch)
+        return len(batches)
+
+    def _append(self, batch: EventBatch) -> None:
+        entry = _Entry(batch.node, encode_batch(batch), batch_headers(batch), len(batch))
+        self._buffer[self._next_id] = entry
+        self._next_id += 1
+        self.counters.batches_taken += 1
+        self.counters.events_taken += entry.events
+        self.counters.buffered_batches += 1
+        self.counters.buffered_events += entry.events
+        self._enforce_bound()
+        self._have_data.set()
+
+    def _enforce_bound(self) -> None:
+        c = self.counters
+        if c.buffered_batches <= self.max_buffered_batches and c.buffered_events <= self.max_buffered_events:
+            return
+        for entry_id in list(self._buffer):
+            if c.buffered_batches <= self.max_buffered_batches and c.buffered_events <= self.max_buffered_events:
+                break
+            entry = self._buffer[entry_id]
+            if entry.in_flight:
+                continue
+            self._remove(entry_id)
+            c.batches_dropped += 1
+            c.events_dropped += entry.events
+
+    def _remove(self, entry_id: int) -> _Entry | None:
+        entry = self._buffer.pop(entry_id, None)
+        if entry is not None:
+            self.counters.buffered_batches -= 1
+            self.counters.buffered_events -= entry.events
+        return entry
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+    # sending ---------------------------------------------------------------------------------
+    async def send_pending(self) -> bool:
+        """Publish one window of the buffer head; True when every record of it was acknowledged."""
+        window = [(entry_id, entry) for entry_id, entry in self._buffer.items() if not entry.in_flight]
+        window = window[: self.max_in_flight]
+        if not window:
+            return True
+        futures = []
+        ok = True
+        for entry_id, entry in window:
+            try:
+                future = await self.bus.publish(self.topic, entry.node, entry.value, entry.headers)
+            except Exception as exc:  # send buffer full, producer closed: retry later
+                log.warning("publishing to %s failed (%s); will retry", self.topic, exc)
+                self.counters.publish_failures += 1
+                ok = False
+                break
+            entry.in_flight = True
+            futures.append((entry_id, entry, future))
+        results = await asyncio.gather(*(f for _, _, f in futures), return_exceptions=True)
+        for (entry_id, entry, _), result in zip(futures, results):
+            entry.in_flight = False
+            if isinstance(result, BaseException):
+                ok = False
+                self.counters.publish_failures += 1
+            elif self._remove(entry_id) is not None:
+                self.counters.batches_published += 1
+                self.counters.events_published += entry.events
+        if not ok:
+            self._enforce_bound()
+        return ok
+
+    async def flush(self, timeout_s: float | None = None) -> bool:
+        """Drain the source until it returns nothing, then send until the buffer is empty (or
+        ``timeout_s`` passes; then False)."""
+        while self.drain():
+            pass
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        backoff = self.retry_backoff_s[0]
+        while self._buffer:
+            if await self.send_pending():
+                backoff = self.retry_backoff_s[0]
+                continue
+            if deadline is not None and time.monotonic() + backoff > deadline:
+                return False
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.retry_backoff_s[1])
+        return True
+
+    # loops -----------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Drain and send until ``stop()``; then a final flush of what is buffered."""
+        self._stopping = False
+        drainer = asyncio.create_task(self._drain_loop())
+        try:
+            await self._send_loop()
+        finally:
+            drainer.cancel()
+            await asyncio.gather(drainer, return_exceptions=True)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._have_data.set()
+
+    async def _drain_loop(self) -> None:
+        while not self._stopping:
+            self.drain()
+            interval = self.flush_interval_s
+            if self.counters.buffered_events >= self.max_batch_events:
+                interval = min(interval, 0.001)
+            await asyncio.sleep(interval)
+
+    async def _send_loop(self) -> None:
+        backoff = self.retry_backoff_s[0]
+        while True:
+            if not self._buffer:
+                if self._stopping:
+                    self.drain()
+                    if not self._buffer:
+                        return
+                    continue
+                self._have_data.clear()
+                await self._have_data.wait()
+                continue
+            try:
+                ok = await self.send_pending()
+            except BusClosed:
+                ok = False
+            if ok:
+                backoff = self.retry_backoff_s[0]
+                continue
+            if self._stopping:
+                return
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.retry_backoff_s[1])

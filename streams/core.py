@@ -1,0 +1,386 @@
+"""The stream core: event batches in, ticks and alerts out; the same in Faust, embedded and replay.
+
+Pure (numpy + stdlib) and deterministic in event time: the output depends only on the batches
+(and their order per node), never on the clock, the batching of the transport or the worker.
+
+Time per node advances only with that node's events. A tick with boundary ``b`` (a multiple of
+``tick_s`` since the epoch of ``ts_ns``) is emitted when the node's first event at or after ``b``
+arrives; it holds the state after every event before ``b``. Boundaries crossed without events in
+between are emitted too (an idle GPU still ticks), up to ``max_idle_ticks`` in a row: a longer
+silence skips ahead (counted in ``NodeState.skipped_ticks``). ``flush(now_ns)`` emits the ticks whose
+boundary is ≤ ``now_ns`` for nodes whose events stopped.
+
+Batches of one node must come in ``seq`` order: a repeated or older ``seq`` is a redelivery and is
+skipped (counted); a gap or a new ``epoch`` marks the mirror unsynced until the next SNAPSHOT with
+state. A node's first batch with ``seq == 0`` starts from an empty pool (synced).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvguard import pressure
+from kvguard.events import EventBatch, EventKind, Geometry
+from streams.alerts import Alert, AlertEvaluator, AlertThresholds, default_rules
+from streams.metrics import NS_PER_S, Candidate, Tick, least_squares_slope, percentiles, tick_features
+from streams.mirror import AllocatorMirror
+from streams.predictor import DEFAULT_WINDOW_TICKS, FeatureHistory, Predictor, check_predictor
+
+log = logging.getLogger(__name__)
+K = EventKind
+
+
+class StreamConfigError(ValueError):
+    def __init__(self, field_name: str, value, expected: str):
+        super().__init__(f"stream config field {field_name!r} = {value!r}: expected {expected}")
+        self.field_name = field_name
+
+
+@dataclass(slots=True, frozen=True)
+class StreamConfig:
+    """Everything the core needs; ``kvguard.settings`` maps onto it."""
+
+    tick_s: float = 10.0
+    slope_window_s: float = 300.0
+    alpha: float = pressure.ALPHA
+    beta: float = pressure.BETA
+    reserved_frac: float | None = None  # None: the geometry's
+    thresholds: AlertThresholds = field(default_factory=AlertThresholds)
+    max_candidates: int = 32
+    window_ticks: int = DEFAULT_WINDOW_TICKS
+    max_idle_ticks: int = 360
+
+    def __post_init__(self) -> None:
+        if not self.tick_s > 0:
+            raise StreamConfigError("tick_s", self.tick_s, "a positive number of seconds")
+        if not self.slope_window_s >= self.tick_s:
+            raise StreamConfigError("slope_window_s", self.slope_window_s, ">= tick_s")
+        if self.reserved_frac is not None and not 0 <= self.reserved_frac < 1:
+            raise StreamConfigError("reserved_frac", self.reserved_frac, "a fraction in [0, 1)")
+        if self.max_candidates < 0:
+            raise StreamConfigError("max_candidates", self.max_candidates, ">= 0")
+        if self.window_ticks <= 0:
+            raise StreamConfigError("window_ticks", self.window_ticks, "> 0")
+        if self.max_idle_ticks <= 0:
+            raise StreamConfigError("max_idle_ticks", self.max_idle_ticks, "> 0")
+
+    @property
+    def tick_ns(self) -> int:
+        return int(round(self.tick_s * NS_PER_S))
+
+
+_COUNTED = (K.ARRIVE, K.FINISH, K.ALLOC_FAIL, K.EVICT, K.PREEMPT, K.OOM)
+
+
+class NodeState:
+    """One GPU in the stream: its mirror, tick clock, interval counters, slope and feature history,
+    and its alert rules' state."""
+
+    def __init__(self, node: str, config: StreamConfig, *, with_predictor: bool = False):
+        self.node = node
+        self.config = config
+        self.mirror: AllocatorMirror | None = None
+        self.epoch: int | None = None
+        self.seq: int | None = None
+        self.next_boundary_ns: int | None = None
+        self.max_ts_ns: int | None = None
+        self.slope_points: deque[tuple[int, float]] = deque()
+        self.features = FeatureHistory(config.window_ticks)
+        self.alerts = AlertEvaluator(default_rules(config.thresholds, with_predictor=with_predictor))
+        self._mark = np.zeros(10, dtype=np.int64)  # cumulative counters at the last tick
+        self.events_since_tick = 0
+        self.duplicates = 0
+        self.gaps = 0
+        self.skipped_ticks = 0
+        self.dropped_without_geometry = 0
+
+    # ---------------------------------------------------------------- batches
+    def accept(self, batch: EventBatch) -> list[Tick]:
+        """Apply one batch; return the ticks whose boundaries it crossed (no predictions yet)."""
+        if not self._check_sequence(batch):
+            return []
+        if self.mirror is None:
+            self.dropped_without_geometry += 1
+            log.warning("node %s: batch seq=%d dropped, no geometry yet", self.node, batch.seq)
+            return []
+        events = batch.events
+        if len(events) == 0:
+            return []
+        ts = np.maximum.accumulate(events["ts_ns"])
+        if self.max_ts_ns is not None:
+            ts = np.maximum(ts, self.max_ts_ns)
+        if self.next_boundary_ns is None:
+            tick_ns = self.config.tick_ns
+            self.next_boundary_ns = (int(ts[0]) // tick_ns + 1) * tick_ns
+        snap_rows = np.flatnonzero(events["kind"] == K.SNAPSHOT)
+        last_snap = int(snap_rows[-1]) if snap_rows.size else -1
+        ticks: list[Tick] = []
+        start = 0
+        while start < len(events):
+            cut = int(np.searchsorted(ts, self.next_boundary_ns, side="left"))
+            if cut >= len(events):
+                self._apply(events, start, len(events), batch, last_snap)
+                start = len(events)
+                break
+            self._apply(events, start, cut, batch, last_snap)
+            start = cut
+            ticks.extend(self._emit_until(int(ts[cut])))
+        self.max_ts_ns = int(ts[-1])
+        return ticks
+
+    def _apply(self, events: np.ndarray, start: int, stop: int, batch: EventBatch, last_snap: int) -> None:
+        if stop <= start:
+            return
+        state = batch.state if start <= last_snap < stop else None
+        self.mirror.apply(events[start:stop], state)
+        self.events_since_tick += stop - start
+
+    def _check_sequence(self, batch: EventBatch) -> bool:
+        geometry = batch.geometry
+        if geometry is not None and (self.mirror is None or self.mirror.geometry != geometry):
+            self.mirror = AllocatorMirror(geometry, reserved_frac=self.config.reserved_frac,
+                                          alpha=self.config.alpha, beta=self.config.beta)
+            self._mark[:] = 0
+            if not (self.epoch is None and batch.seq == 0):
+                self.mirror.mark_unsynced(f"node {self.node}: new geometry at epoch {batch.epoch} seq {batch.seq}")
+        first = self.epoch is None
+        if not first and batch.epoch == self.epoch and batch.seq <= self.seq:
+            self.duplicates += 1
+            return False
+        if not first and batch.epoch < self.epoch:
+            self.duplicates += 1
+            return False
+        if self.mirror is not None:
+            if first and batch.seq != 0:
+                self.mirror.mark_unsynced(f"node {self.node}: first batch seen has seq {batch.seq}")
+            elif not first and batch.epoch != self.epoch:
+                self.gaps += 1
+                self.mirror.mark_unsynced(f"node {self.node}: new producer epoch {batch.epoch}")
+            elif not first and batch.seq != self.seq + 1:
+                self.gaps += 1
+                self.mirror.mark_unsynced(f"node {self.node}: seq gap {self.seq} -> {batch.seq}")
+        self.epoch, self.seq = batch.epoch, batch.seq
+        return True
+
+    # ---------------------------------------------------------------- ticks
+    def flush(self, now_ns: int) -> list[Tick]:
+        """Emit the ticks whose boundary is ≤ ``now_ns`` (for a node whose events stopped)."""
+        if self.mirror is None or self.next_boundary_ns is None or now_ns < self.next_boundary_ns:
+            return []
+        ticks = self._emit_until(now_ns)
+        self.max_ts_ns = max(self.max_ts_ns or now_ns, now_ns)
+        return ticks
+
+    def _emit_until(self, ts_ns: int) -> list[Tick]:
+        """Emit every boundary ≤ ts_ns (an event at exactly a boundary belongs to the next interval)."""
+        tick_ns = self.config.tick_ns
+        ticks = []
+        n_due = (ts_ns - self.next_boundary_ns) // tick_ns + 1
+        if n_due > self.config.max_idle_ticks:
+            skip = n_due - self.config.max_idle_ticks
+            self.skipped_ticks += skip
+            self.next_boundary_ns += skip * tick_ns
+        while self.next_boundary_ns <= ts_ns:
+            ticks.append(self._make_tick(self.next_boundary_ns))
+            self.next_boundary_ns += tick_ns
+        return ticks
+
+    def _counters(self) -> np.ndarray:
+        m = self.mirror
+        kc = m.kind_counts
+        return np.array([kc[K.ARRIVE], kc[K.FINISH], kc[K.ALLOC_FAIL], kc[K.EVICT], kc[K.PREEMPT], kc[K.OOM],
+                         m.step_tokens_total, m.decode_tokens_total, m.evicted_tokens_total,
+                         m.evicted_requests_total], dtype=np.int64)
+
+    def _make_tick(self, ts_ns: int) -> Tick:
+        cfg = self.config
+        m = self.mirror
+        g = m.geometry
+        pm = m.metrics()
+        now = self._counters()
+        (arrivals, finished, fails, evicted_pages, preemptions, ooms, step_tokens, decode_tokens,
+         evicted_tokens, evicted_requests) = (int(x) for x in now - self._mark)
+        self._mark = now
+        table = m.request_table()
+        holding = table.pages > 0
+        p50, p95, p99 = percentiles(table.pages[holding])
+        self.slope_points.append((ts_ns, pm.u_kv))
+        horizon = ts_ns - int(cfg.slope_window_s * NS_PER_S)
+        while self.slope_points and self.slope_points[0][0] <= horizon:
+            self.slope_points.popleft()
+        pts = np.array(self.slope_points, dtype=np.float64)
+        slope = least_squares_slope(pts[:, 0], pts[:, 1])
+        total = float(g.total_bytes)
+        ub = g.unit_bytes
+        events = self.events_since_tick
+        self.events_since_tick = 0
+        tick = Tick(
+            node=self.node, ts_ns=ts_ns, tick_s=cfg.tick_s, synced=m.synced,
+            u_kv=pm.u_kv, f_ext=pm.f_ext, f_int=pm.f_int, psi=pm.psi, slope_per_min=slope,
+            live_units=pm.live_units, cached_units=pm.cached_units, retained_units=pm.retained_units,
+            workspace_units=pm.workspace_units, free_units=pm.free_units,
+            largest_free_run_units=pm.largest_free_run, n_free_runs=pm.n_free_runs,
+            dynamic_units=m.units, tokens_stored=pm.tokens_stored,
+            util_weights=(g.weights_bytes + g.context_bytes) / total,
+            util_kv_live=pm.live_units * ub / total,
+            util_kv_cached=(pm.cached_units + pm.retained_units) * ub / total,
+            util_workspace=pm.workspace_units * ub / total,
+            util_free=pm.free_units * ub / total,
+            util_headroom=max(0.0, total - g.weights_bytes - g.context_bytes - m.units * ub) / total,
+            reserved_frac=m.reserved_frac,
+            pages_per_request_p50=p50, pages_per_request_p95=p95, pages_per_request_p99=p99,
+            requests_running=int(table.running.sum()), requests_holding_pages=int(holding.sum()),
+            arrivals=arrivals, finished=finished, alloc_failures=fails, alloc_fail_per_s=fails / cfg.tick_s,
+            evicted_pages=evicted_pages, evicted_requests=evicted_requests, evicted_tokens=evicted_tokens,
+            preemptions=preemptions, ooms=ooms, tokens_per_s=step_tokens / cfg.tick_s,
+            decode_tokens_per_s=decode_tokens / cfg.tick_s, events=events,
+            candidates=self._candidates(table, holding),
+        )
+        self.features.push(tick_features(tick))
+        if len(table.req) > 4096:
+            m.forget_finished()
+        return tick
+
+    def _candidates(self, table, holding: np.ndarray) -> list[Candidate]:
+        """Up to K requests holding pages: the union of the least recently active, the lowest
+        priority (newest first) and the largest exclusive holders, a third of K each, so that
+        every selection rule of the policy finds its best victims among them."""
+        k = self.config.max_candidates
+        rows = np.flatnonzero(holding)
+        if k == 0 or rows.size == 0:
+            return []
+        if rows.size > k:
+            third = max(1, k // 3)
+            lru = rows[np.lexsort((table.req[rows], table.last_ts_ns[rows]))]
+            prio = rows[np.lexsort((-table.arrival_ns[rows], table.priority[rows]))]
+            big = rows[np.lexsort((table.req[rows], -(table.units[rows] - table.shared_units[rows])))]
+            chosen: dict[int, None] = {}
+            for ranked in (lru, prio, big):
+                for r in ranked[:third].tolist():
+                    chosen[r] = None
+            for r in lru.tolist():
+                if len(chosen) >= k:
+                    break
+                chosen[r] = None
+            rows = np.array(sorted(chosen), dtype=np.int64)
+        rows = rows[np.lexsort((table.req[rows], table.last_ts_ns[rows]))]
+        unit_tokens = self.mirror.geometry.unit_tokens
+        return [Candidate(req=int(table.req[r]), priority=int(table.priority[r]), units=int(table.units[r]),
+                          pages=int(table.pages[r]), tokens=int(table.units[r]) * unit_tokens,
+                          shared_units=int(table.shared_units[r]), prompt_tokens=int(table.prompt_tokens[r]),
+                          last_ts_ns=int(table.last_ts_ns[r]))
+                for r in rows.tolist()]
+
+    # ---------------------------------------------------------------- persistence
+    def to_bytes(self) -> bytes:
+        """Compact, self-contained state (npz): the changelog value of the Faust table."""
+        header = {
+            "node": self.node, "epoch": self.epoch, "seq": self.seq,
+            "next_boundary_ns": self.next_boundary_ns, "max_ts_ns": self.max_ts_ns,
+            "slope_points": list(self.slope_points), "features_count": self.features.count,
+            "alerts": self.alerts.state_list(), "mark": self._mark.tolist(),
+            "events_since_tick": self.events_since_tick, "duplicates": self.duplicates,
+            "gaps": self.gaps, "skipped_ticks": self.skipped_ticks,
+            "dropped_without_geometry": self.dropped_without_geometry,
+            "geometry": None if self.mirror is None else self.mirror.geometry.to_dict(),
+        }
+        arrays = {"header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
+                  "features": self.features.buffer}
+        if self.mirror is not None:
+            arrays.update({f"m_{k}": v for k, v in self.mirror.state_arrays().items()})
+        buf = io.BytesIO()
+        np.savez_compressed(buf, **arrays)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, config: StreamConfig, *, with_predictor: bool = False) -> "NodeState":
+        with np.load(io.BytesIO(data)) as z:
+            arrays = {k: z[k] for k in z.files}
+        h = json.loads(arrays["header"].tobytes().decode())
+        st = cls(h["node"], config, with_predictor=with_predictor)
+        st.epoch, st.seq = h["epoch"], h["seq"]
+        st.next_boundary_ns, st.max_ts_ns = h["next_boundary_ns"], h["max_ts_ns"]
+        st.slope_points = deque((int(t), float(u)) for t, u in h["slope_points"])
+        if arrays["features"].shape == st.features.buffer.shape:
+            st.features.buffer[:] = arrays["features"]
+            st.features.count = int(h["features_count"])
+        st.alerts.load_state_list(h["alerts"])
+        st._mark = np.asarray(h["mark"], dtype=np.int64)
+        st.events_since_tick = h["events_since_tick"]
+        st.duplicates, st.gaps = h["duplicates"], h["gaps"]
+        st.skipped_ticks, st.dropped_without_geometry = h["skipped_ticks"], h["dropped_without_geometry"]
+        if h["geometry"] is not None:
+            st.mirror = AllocatorMirror.from_state_arrays(
+                Geometry.from_dict(h["geometry"]),
+                {k[2:]: v for k, v in arrays.items() if k.startswith("m_")},
+                reserved_frac=config.reserved_frac, alpha=config.alpha, beta=config.beta)
+        return st
+
+
+class StreamCore:
+    """Per-node stream state for every node it sees; ``process``/``process_many`` return the ticks
+    and alerts the batches cause, in order per node."""
+
+    def __init__(self, config: StreamConfig | None = None, predictor: Predictor | None = None):
+        self.config = config or StreamConfig()
+        self.predictor = predictor
+        if predictor is not None:
+            check_predictor(predictor)
+            if predictor.window_ticks > self.config.window_ticks:
+                raise StreamConfigError("window_ticks", self.config.window_ticks,
+                                        f">= the predictor's window_ticks ({predictor.window_ticks})")
+        self.nodes: dict[str, NodeState] = {}
+
+    def node_state(self, node: str) -> NodeState:
+        st = self.nodes.get(node)
+        if st is None:
+            st = self.nodes[node] = NodeState(node, self.config, with_predictor=self.predictor is not None)
+        return st
+
+    def process(self, batch: EventBatch) -> tuple[list[Tick], list[Alert]]:
+        return self.process_many([batch])
+
+    def process_many(self, batches: list[EventBatch]) -> tuple[list[Tick], list[Alert]]:
+        """Apply batches in order; score all new ticks with the predictor in one call; run the rules."""
+        produced: list[tuple[NodeState, Tick, np.ndarray | None]] = []
+        for batch in batches:
+            st = self.node_state(batch.node)
+            ticks = st.accept(batch)
+            for i, tick in enumerate(ticks):
+                produced.append((st, tick, self._window(st, len(ticks) - 1 - i)))
+        return self._finish(produced)
+
+    def flush(self, now_ns: int) -> tuple[list[Tick], list[Alert]]:
+        """Emit due ticks of every node up to ``now_ns`` (event time of the caller's choosing)."""
+        produced = []
+        for node in sorted(self.nodes):
+            st = self.nodes[node]
+            ticks = st.flush(now_ns)
+            for i, tick in enumerate(ticks):
+                produced.append((st, tick, self._window(st, len(ticks) - 1 - i)))
+        return self._finish(produced)
+
+    def _window(self, st: NodeState, lag: int) -> np.ndarray | None:
+        """The predictor's window for the tick ``lag`` ticks before the node's newest."""
+        if self.predictor is None:
+            return None
+        return st.features.window(self.predictor.window_ticks, lag)
+
+    def _finish(self, produced) -> tuple[list[Tick], list[Alert]]:
+        if self.predictor is not None and produced:
+            windows = np.stack([w for _, _, w in produced])
+            p_oom, traj = self.predictor.predict(windows)
+            for i, (_, tick, _) in enumerate(produced):
+                tick.p_oom = float(p_oom[i])
+                tick.u_kv_forecast = [float(x) for x in np.asarray(traj[i]).ravel()]
+        ticks, alerts = [], []
+        for st, tick, _ in produced:
+            ticks.append(tick)
+            alerts.extend(st.alerts.evaluate(tick))
+        return ticks, alerts

@@ -1,0 +1,434 @@
+"""Training and evaluation data for the OOM predictor: tick feature sequences with labels.
+
+One *sequence* is one node's ticks in one run, in order; one *run* is a shadow-engine run of one
+workload at one rate scale, profile and seed (or one event log). Splits are made per run and
+whole workloads are held out, so no run's ticks are ever split between train and test.
+
+Labels follow DESIGN §4: tick t is positive iff an ``oom`` event happens in (t, t + 300 s]. The
+dataset also keeps each sequence's OOM times and the threshold/slope tiers' firing per tick, as
+the stream core computed them, so evaluation needs no second simulation.
+
+A dataset is a compressed ``.npz`` plus a ``.json`` manifest (feature names, run specs, splits,
+input file hashes, counts). Building is deterministic: same specs, same bytes.
+Pure: numpy and the standard library (the simulation is imported inside ``simulate_run``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from streams.evaluation import DEFAULT_HORIZON_S, NS_PER_S, labels_for_ticks
+
+DATASET_FORMAT = "kvguard-tick-dataset/1"
+TIERS_STORED = ("threshold", "slope")
+SPLITS = ("train", "val", "test")
+
+
+class DatasetError(ValueError):
+    """A dataset file or spec is malformed; names the file and the field."""
+
+
+@dataclass(slots=True, frozen=True)
+class RunSpec:
+    """One shadow-engine run: which workload, how hard, on which GPU profile, with which seed."""
+
+    workload: str
+    rate_scale: float = 1.0
+    profile: str = "llama3-8b-24gb"
+    seed: int = 0
+    duration_s: float = 3600.0
+    n_gpus: int = 1
+    split: str = "train"
+
+    def key(self) -> str:
+        return f"{self.workload}@x{self.rate_scale:g}/{self.profile}/s{self.seed}/{self.duration_s:g}s/{self.n_gpus}g"
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One node's ticks in one run."""
+
+    node: str
+    ts_ns: np.ndarray  # [L] int64, ascending
+    features: np.ndarray  # [L, F] float32
+    oom_ts_ns: np.ndarray  # [K] int64
+    firing: dict[str, np.ndarray] = field(default_factory=dict)  # tier -> [L] bool
+    p_oom: np.ndarray | None = None  # [L] the stream's tier-3 score, when a predictor ran
+
+
+@dataclass(slots=True)
+class TickDataset:
+    feature_names: list[str]
+    features: np.ndarray  # [N, F] float32, all sequences concatenated
+    labels: np.ndarray  # [N] uint8
+    ts_ns: np.ndarray  # [N] int64
+    seq_offsets: np.ndarray  # [S + 1] int64: sequence s is rows seq_offsets[s]:seq_offsets[s+1]
+    seq_run: np.ndarray  # [S] int32: index into runs
+    seq_node: list[str]
+    oom_ts_ns: np.ndarray  # [K] int64, all sequences concatenated
+    oom_offsets: np.ndarray  # [S + 1] int64
+    firing: dict[str, np.ndarray]  # tier -> [N] bool
+    runs: list[dict]  # RunSpec fields + split + input hashes + counts
+    horizon_s: float = DEFAULT_HORIZON_S
+    tick_s: float = 10.0
+    inputs: dict = field(default_factory=dict)  # file -> sha256
+
+    @property
+    def n_sequences(self) -> int:
+        return len(self.seq_offsets) - 1
+
+    def sequence(self, s: int) -> Sequence:
+        a, b = int(self.seq_offsets[s]), int(self.seq_offsets[s + 1])
+        oa, ob = int(self.oom_offsets[s]), int(self.oom_offsets[s + 1])
+        return Sequence(node=self.seq_node[s], ts_ns=self.ts_ns[a:b], features=self.features[a:b],
+                        oom_ts_ns=self.oom_ts_ns[oa:ob], firing={k: v[a:b] for k, v in self.firing.items()})
+
+    def split_of(self, s: int) -> str:
+        return self.runs[int(self.seq_run[s])]["split"]
+
+    def sequences_in(self, split: str) -> list[int]:
+        if split not in SPLITS:
+            raise DatasetError(f"unknown split {split!r}; expected one of {SPLITS}")
+        return [s for s in range(self.n_sequences) if self.split_of(s) == split]
+
+    def rows_in(self, split: str) -> np.ndarray:
+        return np.concatenate([np.arange(self.seq_offsets[s], self.seq_offsets[s + 1])
+                               for s in self.sequences_in(split)] or [np.zeros(0, np.int64)])
+
+    def summary(self) -> dict:
+        out = {"sequences": self.n_sequences, "ticks": int(len(self.labels)), "features": len(self.feature_names)}
+        for split in SPLITS:
+            seqs = self.sequences_in(split)
+            rows = self.rows_in(split)
+            out[split] = {
+                "runs": len({int(self.seq_run[s]) for s in seqs}),
+                "sequences": len(seqs),
+                "ticks": int(len(rows)),
+                "positive_ticks": int(self.labels[rows].sum()) if len(rows) else 0,
+                "ooms": int(sum(self.oom_offsets[s + 1] - self.oom_offsets[s] for s in seqs)),
+                "workloads": sorted({self.runs[int(self.seq_run[s])]["workload"] for s in seqs}),
+            }
+        return out
+
+    def manifest(self) -> dict:
+        return {"format": DATASET_FORMAT, "feature_names": list(self.feature_names), "horizon_s": self.horizon_s,
+                "tick_s": self.tick_s, "inputs": dict(self.inputs), "runs": self.runs, "summary": self.summary()}
+
+    def save(self, path: str | Path) -> tuple[Path, Path]:
+        """Write ``<path>.npz`` and ``<path>.json``; returns both paths."""
+        npz = Path(path).with_suffix(".npz")
+        npz.parent.mkdir(parents=True, exist_ok=True)
+        arrays = {"features": self.features, "labels": self.labels, "ts_ns": self.ts_ns,
+                  "seq_offsets": self.seq_offsets, "seq_run": self.seq_run,
+                  "seq_node": np.asarray(self.seq_node, dtype=np.str_),
+                  "oom_ts_ns": self.oom_ts_ns, "oom_offsets": self.oom_offsets}
+        arrays.update({f"firing_{k}": v.astype(np.uint8) for k, v in self.firing.items()})
+        with open(npz, "wb") as fh:
+            np.savez_compressed(fh, **arrays)
+        manifest = npz.with_suffix(".json")
+        manifest.write_text(json.dumps(self.manifest(), indent=1) + "\n")
+        return npz, manifest
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TickDataset":
+        npz = Path(path).with_suffix(".npz")
+        manifest_path = npz.with_suffix(".json")
+        for p in (npz, manifest_path):
+            if not p.exists():
+                raise DatasetError(f"{p}: dataset file not found (build one with `kvguard dataset`)")
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("format") != DATASET_FORMAT:
+            raise DatasetError(f"{manifest_path}: field 'format' is {manifest.get('format')!r}, "
+                               f"expected {DATASET_FORMAT!r}")
+        with np.load(npz, allow_pickle=False) as z:
+            missing = {"features", "labels", "ts_ns", "seq_offsets", "seq_run", "seq_node", "oom_ts_ns",
+                       "oom_offsets"} - set(z.files)
+            if missing:
+                raise DatasetError(f"{npz}: arrays missing: {sorted(missing)}")
+            firing = {k[len("firing_"):]: z[k].astype(bool) for k in z.files if k.startswith("firing_")}
+            ds = cls(feature_names=list(manifest["feature_names"]), features=z["features"], labels=z["labels"],
+                     ts_ns=z["ts_ns"], seq_offsets=z["seq_offsets"], seq_run=z["seq_run"],
+                     seq_node=[str(x) for x in z["seq_node"]], oom_ts_ns=z["oom_ts_ns"],
+                     oom_offsets=z["oom_offsets"], firing=firing, runs=list(manifest["runs"]),
+                     horizon_s=float(manifest["horizon_s"]), tick_s=float(manifest["tick_s"]),
+                     inputs=dict(manifest.get("inputs", {})))
+        if ds.features.shape[1] != len(ds.feature_names):
+            raise DatasetError(f"{npz}: features has {ds.features.shape[1]} columns, manifest lists "
+                               f"{len(ds.feature_names)} feature_names")
+        return ds
+
+
+def assemble(feature_names: list[str], runs: list[tuple[dict, list[Sequence]]], *,
+             horizon_s: float = DEFAULT_HORIZON_S, tick_s: float = 10.0, inputs: dict | None = None) -> TickDataset:
+    """Concatenate runs of sequences into one dataset, labelling every tick (DESIGN §4)."""
+    feats, labels, ts, ooms, seq_run, seq_node = [], [], [], [], [], []
+    firing: dict[str, list[np.ndarray]] = {t: [] for t in TIERS_STORED}
+    seq_lengths, oom_counts, run_rows = [], [], []
+    for r, (run_info, seqs) in enumerate(runs):
+        if run_info.get("split") not in SPLITS:
+            raise DatasetError(f"run {r} ({run_info.get('workload')}): split {run_info.get('split')!r} "
+                               f"not in {SPLITS}")
+        n_ticks = n_ooms = n_pos = 0
+        for seq in seqs:
+            if seq.features.ndim != 2 or seq.features.shape[1] != len(feature_names):
+                raise DatasetError(f"run {r} node {seq.node}: features shape {seq.features.shape}, "
+                                   f"expected [L, {len(feature_names)}]")
+            y = labels_for_ticks(seq.ts_ns, seq.oom_ts_ns, horizon_s)
+            feats.append(seq.features.astype(np.float32))
+            labels.append(y)
+            ts.append(seq.ts_ns.astype(np.int64))
+            ooms.append(np.sort(seq.oom_ts_ns.astype(np.int64)))
+            for tier in TIERS_STORED:
+                firing[tier].append(np.asarray(seq.firing.get(tier, np.zeros(len(y), bool)), dtype=bool))
+            seq_run.append(r)
+            seq_node.append(seq.node)
+            seq_lengths.append(len(y))
+            oom_counts.append(len(seq.oom_ts_ns))
+            n_ticks += len(y)
+            n_ooms += len(seq.oom_ts_ns)
+            n_pos += int(y.sum())
+        run_rows.append(dict(run_info, ticks=n_ticks, ooms=n_ooms, positive_ticks=n_pos))
+    n_features = len(feature_names)
+    return TickDataset(
+        feature_names=list(feature_names),
+        features=np.concatenate(feats) if feats else np.zeros((0, n_features), np.float32),
+        labels=np.concatenate(labels) if labels else np.zeros(0, np.uint8),
+        ts_ns=np.concatenate(ts) if ts else np.zeros(0, np.int64),
+        seq_offsets=np.r_[0, np.cumsum(seq_lengths)].astype(np.int64),
+        seq_run=np.asarray(seq_run, dtype=np.int32),
+        seq_node=seq_node,
+        oom_ts_ns=np.concatenate(ooms) if ooms else np.zeros(0, np.int64),
+        oom_offsets=np.r_[0, np.cumsum(oom_counts)].astype(np.int64),
+        firing={t: (np.concatenate(v) if v else np.zeros(0, bool)) for t, v in firing.items()},
+        runs=run_rows, horizon_s=horizon_s, tick_s=tick_s, inputs=dict(inputs or {}))
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def synthetic_sequences(n_sequences: int, length: int, feature_names: list[str], *, seed: int = 0,
+                        tick_s: float = 10.0, oom_rate_per_hour: float = 1.5) -> list[Sequence]:
+    """Toy sequences where U_kv climbs for a few minutes before each OOM, for tests of the learning
+    machinery only (no engine). Column ``u_kv`` (if present) carries the signal; others are noise
+    plus a weak copy of it, so a model has something to learn and something to ignore."""
+    rng = np.random.default_rng(seed)
+    tick_ns = int(tick_s * NS_PER_S)
+    u_col = feature_names.index("u_kv") if "u_kv" in feature_names else 0
+    out = []
+    for s in range(n_sequences):
+        ts = np.arange(length, dtype=np.int64) * tick_ns
+        u = 0.45 + 0.05 * rng.standard_normal(length)
+        n_ooms = rng.poisson(oom_rate_per_hour * length * tick_s / 3600.0)
+        ooms = np.sort(rng.choice(np.arange(60, length), size=min(n_ooms, length // 90), replace=False)) \
+            if length > 60 and n_ooms else np.zeros(0, np.int64)
+        kept = []
+        for k in ooms:
+            if kept and k - kept[-1] < 80:
+                continue
+            kept.append(int(k))
+            ramp = int(rng.integers(30, 55))  # 5-9 minutes of climbing
+            a = max(0, k - ramp)
+            u[a:k] = np.linspace(0.5, 0.99, k - a) + 0.01 * rng.standard_normal(k - a)
+            u[k:k + 6] = 0.0  # the engine is down, then restarts empty
+        feats = rng.standard_normal((length, len(feature_names))).astype(np.float32)
+        feats[:, u_col] = np.clip(u, 0, 1)
+        if len(feature_names) > 1:
+            feats[:, (u_col + 1) % len(feature_names)] += 2.0 * np.clip(u, 0, 1)
+        oom_ts = np.asarray(kept, dtype=np.int64) * tick_ns - tick_ns // 2  # between ticks k-1 and k
+        out.append(Sequence(node=f"synthetic-{seed}/gpu{s}", ts_ns=ts, features=feats, oom_ts_ns=oom_ts,
+                            firing={"threshold": u > 0.9, "slope": np.r_[False, np.diff(u) > 0.01]}))
+    return out
+
+
+def _grid(workloads: dict[str, tuple[float, ...]], seeds: tuple[int, ...], split: str, *,
+          profile: str = "llama3-8b-24gb", duration_s: float = 3600.0) -> list[RunSpec]:
+    return [RunSpec(w, rate_scale=r, profile=profile, seed=s, duration_s=duration_s, split=split)
+            for w, rates in workloads.items() for r in rates for s in seeds]
+
+
+# Rates are per single GPU of the default profile, chosen around each workload's tipping point
+# (from no OOM to a crash loop), so the data holds calm hours, sporadic OOMs and crash loops.
+TRAIN_WORKLOADS = {
+    "azure-code": (0.25, 0.3, 0.35, 0.4),
+    "sharegpt-sample": (0.15, 0.2, 0.3),
+    "mixed": (0.25, 0.3, 0.35),
+    "sessions": (0.1, 0.15),
+    "rag": (0.05, 0.1),
+}
+# Held out of training and validation entirely: other services and another prompt-length regime.
+HELD_OUT_WORKLOADS = {
+    "azure-conv": (0.4, 0.45, 0.5),
+    "mooncake-sample": (0.01, 0.02),
+}
+
+
+def preset_shipped() -> list[RunSpec]:
+    """The shipped model's data: train on seeds 0-2, validate (threshold calibration) on seed 3 of
+    the same workloads, test on held-out workloads with seeds 0-1. One simulated hour per run."""
+    return (_grid(TRAIN_WORKLOADS, (0, 1, 2), "train") + _grid(TRAIN_WORKLOADS, (3,), "val")
+            + _grid(HELD_OUT_WORKLOADS, (0, 1), "test"))
+
+
+def preset_small() -> list[RunSpec]:
+    """A quicker variant (one train seed, 30 minutes per run) for trying changes."""
+    return (_grid(TRAIN_WORKLOADS, (0,), "train", duration_s=1800) + _grid(TRAIN_WORKLOADS, (3,), "val",
+                                                                           duration_s=1800)
+            + _grid(HELD_OUT_WORKLOADS, (0,), "test", duration_s=1800))
+
+
+def preset_tiny() -> list[RunSpec]:
+    """Seconds of work: the integration test's data."""
+    return [RunSpec("azure-code", 0.4, seed=0, duration_s=900, split="train"),
+            RunSpec("sharegpt-sample", 0.3, seed=1, duration_s=900, split="train"),
+            RunSpec("azure-code", 0.35, seed=3, duration_s=900, split="val"),
+            RunSpec("azure-conv", 0.5, seed=0, duration_s=900, split="test")]
+
+
+PRESETS = {"shipped": preset_shipped, "small": preset_small, "tiny": preset_tiny}
+
+
+def spec_dict(spec: RunSpec) -> dict:
+    return asdict(spec)
+
+
+TIER_OF_RULE_TIER = {1: "threshold", 2: "slope", 3: "lstm"}
+
+
+@dataclass(slots=True)
+class RunRecord:
+    """Everything one simulated run produced that training and evaluation use."""
+
+    spec: RunSpec
+    sequences: list[Sequence]
+    ticks: dict[str, list] = field(default_factory=dict)  # node -> Tick objects (only if keep_ticks)
+    summary: dict = field(default_factory=dict)
+    workload: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def firing_by_tier(ts_ns: np.ndarray, transitions: list[tuple[int, str, int, bool]]) -> dict[str, np.ndarray]:
+    """Per tier, whether any of its rules was firing at each tick, from one node's alert transitions
+    (ts_ns, rule, tier, firing) in emission order; an alert emitted at a tick counts at that tick."""
+    out = {name: np.zeros(len(ts_ns), dtype=bool) for name in TIER_OF_RULE_TIER.values()}
+    rules: dict[str, tuple[int, list[tuple[int, bool]]]] = {}
+    for ts, rule, tier, firing in transitions:
+        rules.setdefault(rule, (tier, []))[1].append((ts, firing))
+    for tier, changes in rules.values():
+        times = np.array([t for t, _ in changes], dtype=np.int64)
+        states = np.array([f for _, f in changes], dtype=bool)
+        k = np.searchsorted(times, ts_ns, side="right") - 1
+        out[TIER_OF_RULE_TIER[tier]] |= np.where(k >= 0, states[np.maximum(k, 0)], False)
+    return out
+
+
+def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ticks: bool = False,
+                 flush_every_s: float = 1.0) -> RunRecord:
+    """Run a workload through the shadow engine (baseline: no policy) and the stream core, tick by tick.
+
+    Returns per node the tick features (``streams.metrics.tick_features``), OOM times (from the
+    ``oom`` events themselves) and each tier's firing, as the alert rules decided it. With a
+    ``predictor`` the core also runs tier 3 (``kvguard eval``); without one it is tiers 1-2 only.
+    """
+    import time
+
+    from kvguard.events import EventKind
+    from producers.fleet import Fleet
+    from producers.profiles import load_profile
+    from producers.workloads import load_workload
+    from streams.alerts import FIRING
+    from streams.core import StreamConfig, StreamCore
+    from streams.metrics import FEATURE_NAMES, tick_features
+
+    started = time.monotonic()
+    profile = load_profile(spec.profile)
+    workload = load_workload(spec.workload, rate_scale=spec.rate_scale, window=spec.duration_s, seed=spec.seed,
+                             max_prompt_tokens=profile.max_model_len)
+    fleet = Fleet(spec.n_gpus, profile, seed=spec.seed)
+    fleet.submit_workload(workload)
+    config = StreamConfig(tick_s=tick_s)
+    threshold = getattr(predictor, "threshold", None)
+    if threshold is not None:  # the model's calibrated operating point drives the tier-3 rule
+        config = replace(config, thresholds=replace(config.thresholds, p_oom=float(threshold)))
+    core = StreamCore(config, predictor=predictor)
+    feats: dict[str, list[np.ndarray]] = {n: [] for n in fleet.nodes}
+    times: dict[str, list[int]] = {n: [] for n in fleet.nodes}
+    ooms: dict[str, list[int]] = {n: [] for n in fleet.nodes}
+    transitions: dict[str, list] = {n: [] for n in fleet.nodes}
+    scores: dict[str, list[float]] = {n: [] for n in fleet.nodes}
+    kept: dict[str, list] = {n: [] for n in fleet.nodes}
+
+    def absorb(ticks, alerts):
+        for tick in ticks:
+            feats[tick.node].append(tick_features(tick))
+            times[tick.node].append(tick.ts_ns)
+            scores[tick.node].append(np.nan if tick.p_oom is None else tick.p_oom)
+            if keep_ticks:
+                kept[tick.node].append(tick)
+        for alert in alerts:
+            transitions[alert.node].append((alert.ts_ns, alert.rule, alert.tier, alert.state == FIRING))
+
+    end_ns = int(spec.duration_s * NS_PER_S)
+    step_ns = int(flush_every_s * NS_PER_S)
+    for now in range(step_ns, end_ns + step_ns, step_ns):
+        fleet.advance(now)
+        batches = fleet.take_batches(now)
+        for b in batches:
+            oom_rows = b.events["kind"] == EventKind.OOM
+            if oom_rows.any():
+                ooms[b.node].extend(int(t) for t in b.events["ts_ns"][oom_rows])
+        absorb(*core.process_many(batches))
+    absorb(*core.flush(end_ns))
+    sequences = []
+    for node in fleet.nodes:
+        ts = np.asarray(times[node], dtype=np.int64)
+        features = np.stack(feats[node]) if feats[node] else np.zeros((0, len(FEATURE_NAMES)), np.float32)
+        sequences.append(Sequence(node=node, ts_ns=ts, features=features.astype(np.float32),
+                                  oom_ts_ns=np.asarray(ooms[node], dtype=np.int64),
+                                  firing=firing_by_tier(ts, transitions[node]),
+                                  p_oom=np.asarray(scores[node], dtype=np.float64) if predictor else None))
+    return RunRecord(spec=spec, sequences=sequences, ticks=kept if keep_ticks else {},
+                     summary=fleet.summary().to_dict(), workload=workload.describe(),
+                     seconds=time.monotonic() - started)
+
+
+
+def workload_inputs(workload: str) -> dict[str, str]:
+    """{source: sha256} for a trace workload (file or bundled alias); {} for a named scenario."""
+    from producers.workloads import SCENARIOS, resolve_trace_path
+
+    if workload in SCENARIOS:
+        return {}
+    path = resolve_trace_path(workload)
+    if path is None or not Path(path).exists():
+        raise DatasetError(f"workload {workload!r}: no such trace file, alias or scenario")
+    return {str(Path(path).name): file_sha256(path)}
+
+
+def build_dataset(specs: list[RunSpec], *, tick_s: float = 10.0,
+                  progress=None) -> TickDataset:
+    """Simulate every run and assemble the dataset. ``progress(i, n, spec, record)`` after each run."""
+    from streams.metrics import FEATURE_NAMES
+
+    inputs: dict[str, str] = {}
+    runs = []
+    for i, spec in enumerate(specs):
+        if spec.split not in SPLITS:
+            raise DatasetError(f"run {i} ({spec.key()}): split {spec.split!r} not in {SPLITS}")
+        inputs.update(workload_inputs(spec.workload))
+        record = simulate_run(spec, tick_s=tick_s)
+        info = dict(spec_dict(spec), key=spec.key(), engine=record.summary,
+                    requests=record.workload.get("requests", None))
+        runs.append((info, record.sequences))
+        if progress:
+            progress(i + 1, len(specs), spec, record)
+    return assemble(list(FEATURE_NAMES), runs, tick_s=tick_s, inputs=inputs)

@@ -1,0 +1,314 @@
+"""How well OOMs are predicted: ROC/AUC, recall at a false-positive budget, lead time per tier
+(DESIGN §4), false alarms per hour, and the two report plots.
+
+Pure numpy (matplotlib only inside the plotting functions, with the Agg backend). Time is in ns,
+as everywhere in kvguard; results are reported in seconds.
+
+Definitions (kept here so the numbers in a report can be traced to one place):
+
+- label: tick t is positive iff an OOM happens in (t, t + horizon] (``labels_for_ticks``).
+- AUC: the Mann-Whitney statistic with average ranks for ties, so tied scores count half.
+- recall at FPR <= x: the largest true-positive rate over thresholds whose FPR is <= x.
+- lead time of a tier for one OOM at T: T - t0, where t0 starts the tier's unbroken firing run
+  that reaches T (the last tick strictly before T fires, and so does every tick back to t0). A
+  tier not firing at the last tick before T has lead 0 (a miss). The walk back stops at the
+  node's previous OOM, so one long firing run is not credited to two crashes.
+- false alarm: a firing episode (maximal run of firing ticks) with no OOM in
+  (t_start, t_end + horizon]. Rate = false episodes / observed node-hours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+NS_PER_S = 1_000_000_000
+DEFAULT_HORIZON_S = 300.0
+
+
+def labels_for_ticks(ts_ns: np.ndarray, oom_ts_ns: np.ndarray, horizon_s: float = DEFAULT_HORIZON_S) -> np.ndarray:
+    """1 where an OOM happens in (t, t + horizon], else 0, for each tick time t of one node."""
+    ts = np.asarray(ts_ns, dtype=np.int64)
+    ooms = np.sort(np.asarray(oom_ts_ns, dtype=np.int64))
+    horizon_ns = int(round(horizon_s * NS_PER_S))
+    if len(ooms) == 0:
+        return np.zeros(len(ts), dtype=np.uint8)
+    # the first OOM strictly after t; positive iff it is within the horizon
+    nxt = np.searchsorted(ooms, ts, side="right")
+    has_next = nxt < len(ooms)
+    next_oom = np.where(has_next, ooms[np.minimum(nxt, len(ooms) - 1)], np.iinfo(np.int64).max)
+    return (has_next & (next_oom - ts <= horizon_ns)).astype(np.uint8)
+
+
+def _check_scores(labels: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    y = np.asarray(labels).astype(bool).ravel()
+    s = np.asarray(scores, dtype=np.float64).ravel()
+    if y.shape != s.shape:
+        raise ValueError(f"labels has {y.size} entries but scores has {s.size}")
+    if np.isnan(s).any():
+        raise ValueError(f"scores contains {int(np.isnan(s).sum())} NaN values")
+    return y, s
+
+
+def auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    """Area under the ROC curve; NaN when only one class is present."""
+    y, s = _check_scores(labels, scores)
+    n_pos = int(y.sum())
+    n_neg = y.size - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = np.argsort(s, kind="mergesort")
+    sorted_s = s[order]
+    ranks = np.empty(s.size, dtype=np.float64)
+    # average rank per group of tied scores
+    boundaries = np.flatnonzero(np.diff(sorted_s)) + 1
+    starts = np.concatenate(([0], boundaries))
+    ends = np.concatenate((boundaries, [s.size]))
+    avg = (starts + ends + 1) / 2.0  # ranks are 1-based
+    ranks[order] = np.repeat(avg, ends - starts)
+    rank_sum = ranks[y].sum()
+    return float((rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+def roc_curve(labels: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(fpr, tpr, thresholds): one point per distinct score, from the strictest threshold down.
+
+    A tick is predicted positive when score >= threshold. The first point is (0, 0) at +inf.
+    """
+    y, s = _check_scores(labels, scores)
+    n_pos = max(int(y.sum()), 1)
+    n_neg = max(int((~y).sum()), 1)
+    order = np.argsort(-s, kind="mergesort")
+    s_sorted = s[order]
+    y_sorted = y[order]
+    last_of_group = np.r_[np.flatnonzero(np.diff(s_sorted)), s.size - 1] if s.size else np.array([], int)
+    tps = np.cumsum(y_sorted)[last_of_group]
+    fps = np.cumsum(~y_sorted)[last_of_group]
+    fpr = np.r_[0.0, fps / n_neg]
+    tpr = np.r_[0.0, tps / n_pos]
+    thresholds = np.r_[np.inf, s_sorted[last_of_group]]
+    return fpr, tpr, thresholds
+
+
+def recall_at_fpr(labels: np.ndarray, scores: np.ndarray, max_fpr: float = 0.05) -> tuple[float, float]:
+    """(recall, threshold): the best true-positive rate with FPR <= max_fpr, and the threshold giving it."""
+    fpr, tpr, thresholds = roc_curve(labels, scores)
+    ok = fpr <= max_fpr + 1e-12
+    best = int(np.flatnonzero(ok)[np.argmax(tpr[ok])])
+    return float(tpr[best]), float(thresholds[best])
+
+
+def threshold_for_fpr(labels: np.ndarray, scores: np.ndarray, max_fpr: float = 0.05) -> float:
+    """The lowest threshold whose FPR on these (validation) ticks is <= max_fpr."""
+    _, threshold = recall_at_fpr(labels, scores, max_fpr)
+    if not np.isfinite(threshold):
+        # even the strictest distinct score breaks the budget: fire on nothing seen so far
+        y, s = _check_scores(labels, scores)
+        threshold = float(np.nextafter(s.max(), np.inf)) if s.size else 1.0
+    return float(threshold)
+
+
+def lead_times_s(ts_ns: np.ndarray, firing: np.ndarray, oom_ts_ns: np.ndarray) -> np.ndarray:
+    """Lead time in seconds of one tier for each OOM of one node (DESIGN §4); 0 = a miss.
+
+    ``ts_ns`` are the node's tick times (ascending), ``firing`` whether the tier's alert was firing
+    at each tick, ``oom_ts_ns`` the node's OOM times.
+    """
+    ts = np.asarray(ts_ns, dtype=np.int64)
+    fire = np.asarray(firing, dtype=bool)
+    if ts.shape != fire.shape:
+        raise ValueError(f"ts_ns has {ts.size} ticks but firing has {fire.size}")
+    if ts.size > 1 and np.any(np.diff(ts) < 0):
+        raise ValueError("ts_ns must be ascending")
+    ooms = np.sort(np.asarray(oom_ts_ns, dtype=np.int64))
+    # run_start[i] = index where the unbroken firing run containing tick i begins
+    idx = np.arange(ts.size)
+    breaks = np.where(fire, -1, idx)
+    last_break = np.maximum.accumulate(breaks) if ts.size else breaks
+    run_start = last_break + 1
+    leads = np.zeros(len(ooms), dtype=np.float64)
+    prev_oom = np.iinfo(np.int64).min
+    for k, t_oom in enumerate(ooms):
+        last = int(np.searchsorted(ts, t_oom, side="left")) - 1
+        if last >= 0 and fire[last] and ts[last] > prev_oom:
+            first = int(run_start[last])
+            first = max(first, int(np.searchsorted(ts, prev_oom, side="right")))
+            leads[k] = (t_oom - ts[first]) / NS_PER_S
+        prev_oom = int(t_oom)
+    return leads
+
+
+def firing_episodes(firing: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs of firing ticks as (first index, last index) pairs."""
+    f = np.asarray(firing, dtype=np.int8)
+    edges = np.diff(np.r_[0, f, 0])
+    starts = np.flatnonzero(edges == 1)
+    ends = np.flatnonzero(edges == -1) - 1
+    return list(zip(starts.tolist(), ends.tolist()))
+
+
+def count_false_alarms(ts_ns: np.ndarray, firing: np.ndarray, oom_ts_ns: np.ndarray,
+                       horizon_s: float = DEFAULT_HORIZON_S) -> tuple[int, int]:
+    """(false episodes, all episodes) of one tier on one node."""
+    ts = np.asarray(ts_ns, dtype=np.int64)
+    ooms = np.sort(np.asarray(oom_ts_ns, dtype=np.int64))
+    horizon_ns = int(round(horizon_s * NS_PER_S))
+    episodes = firing_episodes(firing)
+    false = 0
+    for first, last in episodes:
+        lo, hi = ts[first], ts[last] + horizon_ns
+        k = int(np.searchsorted(ooms, lo, side="right"))
+        if k >= len(ooms) or ooms[k] > hi:
+            false += 1
+    return false, len(episodes)
+
+
+@dataclass(slots=True)
+class NodeTrace:
+    """What evaluation needs from one node's run: tick times, scores, tier firing, OOM times."""
+
+    node: str
+    ts_ns: np.ndarray
+    p_oom: np.ndarray
+    firing: dict[str, np.ndarray]
+    oom_ts_ns: np.ndarray
+    tick_s: float = 10.0
+
+
+@dataclass(slots=True)
+class EvaluationResult:
+    auc: float
+    recall_at_fpr_5pct: float
+    threshold_at_fpr_5pct: float
+    ticks: int
+    positives: int
+    ooms: int
+    node_hours: float
+    lead_times_s: dict[str, list[float]]
+    false_alarms: dict[str, int]
+    alarm_episodes: dict[str, int]
+    roc: tuple[np.ndarray, np.ndarray] = field(repr=False, default=(np.zeros(0), np.zeros(0)))
+
+    def lead_time_median_s(self) -> dict[str, float]:
+        return {tier: float(np.median(v)) if v else float("nan") for tier, v in self.lead_times_s.items()}
+
+    def recall_by_tier(self) -> dict[str, float]:
+        """Share of OOMs each tier saw coming (lead > 0)."""
+        return {tier: float(np.mean(np.asarray(v) > 0)) if v else float("nan")
+                for tier, v in self.lead_times_s.items()}
+
+    def false_alarms_per_hour(self) -> dict[str, float]:
+        hours = max(self.node_hours, 1e-9)
+        return {tier: n / hours for tier, n in self.false_alarms.items()}
+
+    def to_dict(self) -> dict:
+        def clean(x: float) -> float | None:
+            return None if x is None or not np.isfinite(x) else round(float(x), 4)
+
+        return {
+            "auc": clean(self.auc),
+            "recall_at_fpr_5pct": clean(self.recall_at_fpr_5pct),
+            "threshold_at_fpr_5pct": clean(self.threshold_at_fpr_5pct),
+            "ticks": self.ticks,
+            "positive_ticks": self.positives,
+            "ooms": self.ooms,
+            "node_hours": round(self.node_hours, 4),
+            "lead_time_median_s": {k: clean(v) for k, v in self.lead_time_median_s().items()},
+            "lead_time_recall": {k: clean(v) for k, v in self.recall_by_tier().items()},
+            "false_alarms_per_hour": {k: clean(v) for k, v in self.false_alarms_per_hour().items()},
+            "alarm_episodes": dict(self.alarm_episodes),
+        }
+
+
+def evaluate_traces(traces: list[NodeTrace], tiers: tuple[str, ...] = ("threshold", "slope", "lstm"),
+                    horizon_s: float = DEFAULT_HORIZON_S) -> EvaluationResult:
+    """Score a set of node runs: tick-level ROC of ``p_oom`` and OOM-level lead times per tier."""
+    labels, scores = [], []
+    leads: dict[str, list[float]] = {t: [] for t in tiers}
+    false = dict.fromkeys(tiers, 0)
+    episodes = dict.fromkeys(tiers, 0)
+    node_hours = 0.0
+    ooms = 0
+    for tr in traces:
+        labels.append(labels_for_ticks(tr.ts_ns, tr.oom_ts_ns, horizon_s))
+        scores.append(np.asarray(tr.p_oom, dtype=np.float64))
+        node_hours += len(tr.ts_ns) * tr.tick_s / 3600.0
+        ooms += len(tr.oom_ts_ns)
+        for tier in tiers:
+            fire = tr.firing.get(tier)
+            if fire is None:
+                raise KeyError(f"node {tr.node}: no firing series for tier {tier!r}")
+            leads[tier].extend(lead_times_s(tr.ts_ns, fire, tr.oom_ts_ns).tolist())
+            f, n = count_false_alarms(tr.ts_ns, fire, tr.oom_ts_ns, horizon_s)
+            false[tier] += f
+            episodes[tier] += n
+    y = np.concatenate(labels) if labels else np.zeros(0, np.uint8)
+    s = np.concatenate(scores) if scores else np.zeros(0)
+    if y.size and 0 < y.sum() < y.size:
+        area = auc(y, s)
+        recall, threshold = recall_at_fpr(y, s, 0.05)
+        fpr, tpr, _ = roc_curve(y, s)
+    else:
+        area, recall, threshold = float("nan"), float("nan"), float("nan")
+        fpr, tpr = np.zeros(0), np.zeros(0)
+    return EvaluationResult(auc=area, recall_at_fpr_5pct=recall, threshold_at_fpr_5pct=threshold,
+                            ticks=int(y.size), positives=int(y.sum()), ooms=ooms, node_hours=node_hours,
+                            lead_times_s=leads, false_alarms=false, alarm_episodes=episodes, roc=(fpr, tpr))
+
+
+def plot_roc(result: EvaluationResult, path: str, title: str = "") -> None:
+    """ROC of the LSTM's P(OOM within 5 min), with the FPR = 5 % budget marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fpr, tpr = result.roc
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    ax.plot(fpr, tpr, color="tab:blue", lw=2, label=f"LSTM  AUC = {result.auc:.3f}")
+    ax.plot([0, 1], [0, 1], color="grey", lw=1, ls=":", label="chance")
+    ax.axvline(0.05, color="tab:red", lw=1, ls="--",
+               label=f"FPR 5 %: recall {result.recall_at_fpr_5pct:.2f}")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1.01)
+    ax.set_xlabel("false-positive rate (ticks without an OOM in the next 5 min)")
+    ax.set_ylabel("true-positive rate (ticks with an OOM in the next 5 min)")
+    ax.set_title(title or f"P(OOM within 5 min): {result.ticks} ticks, {result.ooms} OOMs")
+    ax.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_lead_times(result: EvaluationResult, path: str, title: str = "") -> None:
+    """Per-tier lead times before each OOM (one dot per OOM, misses at 0) with the medians."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tiers = list(result.lead_times_s)
+    colours = {"threshold": "tab:orange", "slope": "tab:green", "lstm": "tab:blue"}
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    rng = np.random.default_rng(0)
+    medians = result.lead_time_median_s()
+    for i, tier in enumerate(tiers):
+        values = np.asarray(result.lead_times_s[tier], dtype=float) / 60.0
+        if values.size:
+            jitter = rng.uniform(-0.15, 0.15, values.size)
+            ax.scatter(np.full(values.size, i) + jitter, values, s=14, alpha=0.6,
+                       color=colours.get(tier, "tab:grey"))
+            ax.hlines(medians[tier] / 60.0, i - 0.3, i + 0.3, color="black", lw=2)
+            ax.annotate(f"median {medians[tier] / 60.0:.1f} min", (i, medians[tier] / 60.0),
+                        xytext=(0, 6), textcoords="offset points", ha="center", fontsize=9)
+    ax.axhline(5.0, color="tab:red", lw=1, ls="--", label="5-minute target")
+    ax.set_xticks(range(len(tiers)), [f"{t}\n({result.recall_by_tier()[t]:.0%} seen)" for t in tiers])
+    ax.set_ylabel("lead time before OOM (minutes; 0 = missed)")
+    ax.set_title(title or f"Warning lead time per tier, {result.ooms} OOMs")
+    ax.legend(loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,138 @@
+"""The OOM LSTM: artifact save/load and validation, batched and stateful inference, the protocol."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from streams.lstm import (LSTMPredictor, ModelError, ModelFeatureMismatch, ModelMetadata, Normalisation,
+                          OOMNet, load_model, save_model)
+from streams.metrics import FEATURE_NAMES
+from streams.predictor import Predictor, check_predictor, window_from_history
+
+F = len(FEATURE_NAMES)
+
+
+def make_model(seed=0, features=FEATURE_NAMES, window=180):
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    data = rng.normal(size=(500, len(features))).astype(np.float32)
+    meta = ModelMetadata(feature_names=list(features), normalisation=Normalisation.fit(data), threshold=0.3,
+                         window_ticks=window, version="test")
+    return OOMNet(len(features)), meta
+
+
+def test_saved_model_loads_with_identical_predictions(tmp_path):
+    net, meta = make_model()
+    weights, meta_path = save_model(net, meta, tmp_path / "m.pt")
+    assert weights.name == "m.pt" and meta_path.name == "m.json"
+    loaded = load_model(tmp_path / "m.json", expected_features=list(FEATURE_NAMES))
+    windows = np.random.default_rng(1).normal(size=(4, 180, F)).astype(np.float32)
+    p1, traj1 = LSTMPredictor(net, meta).predict(windows)
+    p2, traj2 = loaded.predict(windows)
+    np.testing.assert_allclose(p1, p2, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(traj1, traj2, rtol=0, atol=1e-6)
+    assert loaded.threshold == 0.3 and loaded.metadata.version == "test"
+
+
+def test_directory_path_uses_default_name_and_is_created(tmp_path):
+    net, meta = make_model()
+    save_model(net, meta, tmp_path / "new")
+    assert (tmp_path / "new" / "oom_lstm.pt").exists() and (tmp_path / "new" / "oom_lstm.json").exists()
+    assert load_model(tmp_path / "new").window_ticks == 180
+
+
+def test_feature_mismatch_names_missing_and_extra_features(tmp_path):
+    names = list(FEATURE_NAMES[:-1]) + ["gpu_temperature"]
+    net, meta = make_model(features=names)
+    save_model(net, meta, tmp_path / "m.pt")
+    with pytest.raises(ModelFeatureMismatch) as err:
+        load_model(tmp_path / "m.pt", expected_features=list(FEATURE_NAMES))
+    msg = str(err.value)
+    assert "gpu_temperature" in msg and FEATURE_NAMES[-1] in msg and "m.json" in msg
+
+
+def test_feature_order_mismatch_names_the_position(tmp_path):
+    names = list(FEATURE_NAMES)
+    names[0], names[1] = names[1], names[0]
+    net, meta = make_model(features=names)
+    save_model(net, meta, tmp_path / "m.pt")
+    with pytest.raises(ModelFeatureMismatch, match=r"another order \(position 0"):
+        load_model(tmp_path / "m.pt", expected_features=list(FEATURE_NAMES))
+
+
+def test_missing_file_and_bad_metadata_name_the_file_and_field(tmp_path):
+    with pytest.raises(ModelError, match="nope.pt: model file not found"):
+        load_model(tmp_path / "nope.pt")
+    with pytest.raises(ModelError, match="oom_lstm.pt: model file not found"):
+        load_model(tmp_path)
+    net, meta = make_model()
+    _, meta_path = save_model(net, meta, tmp_path / "m.pt")
+    d = json.loads(meta_path.read_text())
+    d["normalisation"]["mean"] = d["normalisation"]["mean"][:-1]
+    meta_path.write_text(json.dumps(d))
+    with pytest.raises(ModelError, match=r"m.json: normalisation.mean has 19 entries, feature_names has 20"):
+        load_model(tmp_path / "m.pt")
+    d["format"] = "other/9"
+    meta_path.write_text(json.dumps(d))
+    with pytest.raises(ModelError, match="field 'format'"):
+        load_model(tmp_path / "m.pt")
+
+
+def test_weights_that_do_not_fit_the_metadata_are_refused(tmp_path):
+    net, meta = make_model()
+    save_model(net, meta, tmp_path / "m.pt")
+    meta.hidden_size = 32
+    (tmp_path / "m.json").write_text(json.dumps(meta.to_dict()))
+    with pytest.raises(ModelError, match="m.pt: weights do not fit the metadata"):
+        load_model(tmp_path / "m.pt")
+
+
+def test_predictor_satisfies_the_stream_protocol():
+    net, meta = make_model()
+    pred = LSTMPredictor(net, meta)
+    assert isinstance(pred, Predictor)
+    check_predictor(pred)
+    p, traj = pred.predict(np.zeros((3, 180, F), np.float32))
+    assert p.shape == (3,) and traj.shape == (3, 30)
+    assert np.all((p >= 0) & (p <= 1)) and np.all((traj >= 0) & (traj <= 1))
+    p0, traj0 = pred.predict(np.zeros((0, 180, F), np.float32))
+    assert p0.shape == (0,) and traj0.shape == (0, 30)
+    with pytest.raises(ValueError, match=r"windows must be \[n, T, 20\]"):
+        pred.predict(np.zeros((3, 180, 5), np.float32))
+
+
+def test_stateful_step_matches_the_padded_window_for_a_new_node_and_tracks_it_after():
+    net, meta = make_model(seed=3)
+    pred = LSTMPredictor(net, meta)
+    rng = np.random.default_rng(3)
+    history = np.cumsum(rng.normal(scale=0.3, size=(220, F)), axis=0).astype(np.float32)
+    stepped = [pred.step(["a"], history[t:t + 1])[0][0] for t in range(len(history))]
+    windowed = [pred.predict(window_from_history(history[:t + 1], 180)[None])[0][0] for t in range(len(history))]
+    assert stepped[0] == pytest.approx(windowed[0], abs=1e-6)
+    # later the stateful path has seen more padding/history than the window; it stays close
+    assert np.max(np.abs(np.array(stepped) - np.array(windowed))) < 0.05
+
+
+def test_step_keeps_nodes_apart_and_forget_restarts_a_node():
+    net, meta = make_model(seed=4)
+    pred = LSTMPredictor(net, meta)
+    rng = np.random.default_rng(4)
+    a, b = rng.normal(size=(2, 30, F)).astype(np.float32)
+    both = [pred.step(["a", "b"], np.stack([a[t], b[t]]))[0] for t in range(30)]
+    solo = LSTMPredictor(net, meta)
+    only_b = [solo.step(["b"], b[t:t + 1])[0][0] for t in range(30)]
+    np.testing.assert_allclose([x[1] for x in both], only_b, atol=1e-6)
+    pred.forget("a")
+    fresh = LSTMPredictor(net, meta).step(["a"], a[:1])[0][0]
+    assert pred.step(["a"], a[:1])[0][0] == pytest.approx(fresh, abs=1e-6)
+
+
+def test_normalisation_ignores_non_finite_values_and_floors_std():
+    x = np.ones((10, 2), np.float32)
+    x[0, 1] = np.nan
+    norm = Normalisation.fit(x)
+    assert norm.std[0] == pytest.approx(1e-3)
+    out = norm.apply(np.array([[1.0, np.inf]], np.float32))
+    assert np.isfinite(out).all()

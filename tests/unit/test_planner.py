@@ -1,0 +1,147 @@
+"""The planner: how much to free, who pays, and compaction before eviction."""
+
+from dataclasses import replace
+
+import pytest
+
+from policy.planner import (
+    Candidate,
+    CostModel,
+    NodeView,
+    PlannerConfig,
+    choose_victims,
+    plan,
+    units_to_free,
+    view_from_tick,
+)
+from policy.strategy import DEFAULT, EMERGENCY, Granularity, HandlingChoice, Selection, Strategy
+
+D = 10_000
+COST = CostModel()
+
+
+def view(**changes) -> NodeView:
+    base = NodeView(node="n0/gpu0", ts_ns=60_000_000_000, u_kv=0.5, f_ext=0.1, f_int=0.05, psi=0.6,
+                    dynamic_units=D, free_units=4000, largest_free_run_units=3000)
+    return replace(base, **changes)
+
+
+def cand(req, *, priority=5, units=400, tokens=1600, last_s=10, shared=0, generated=0):
+    return Candidate(req=req, priority=priority, units=units, tokens=tokens, last_ts_ns=last_s * 10**9,
+                     shared_units=shared, generated_tokens=generated)
+
+
+def test_nothing_to_free_below_target():
+    assert units_to_free(view(), DEFAULT, PlannerConfig()) == 0
+
+
+def test_units_bring_u_kv_back_to_target():
+    v = view(u_kv=0.90, psi=0.5)
+    assert units_to_free(v, DEFAULT, PlannerConfig()) == pytest.approx((0.90 - DEFAULT.target_u_kv) * D, abs=1)
+
+
+def test_units_bring_psi_back_to_target_at_fixed_fragmentation():
+    # psi = base * (1 + 2*0.2 + 0.1) = base * 1.5
+    v = view(u_kv=0.6, f_ext=0.2, f_int=0.1, psi=0.96)
+    need = units_to_free(v, DEFAULT, PlannerConfig())
+    expected = (0.96 / 1.5 - DEFAULT.target_psi / 1.5) * D
+    assert need == pytest.approx(expected, abs=1)
+
+
+def test_forecast_counts_only_when_strategy_uses_prediction():
+    v = view(u_kv=0.7, psi=0.75, u_kv_forecast=(0.8, 0.9, 0.95))
+    assert units_to_free(v, DEFAULT, PlannerConfig()) == pytest.approx((0.95 - DEFAULT.target_u_kv) * D, abs=1)
+    assert units_to_free(v, replace(DEFAULT, use_prediction=False), PlannerConfig()) == 0
+
+
+def test_lru_picks_least_recently_active_and_breaks_ties_by_priority():
+    cands = [cand(1, last_s=30), cand(2, last_s=10, priority=7), cand(3, last_s=10, priority=2)]
+    victims = choose_victims(cands, 500, DEFAULT, COST)
+    assert [v.req for v in victims] == [3, 2]
+
+
+def test_priority_selection_evicts_lowest_priority_first():
+    s = replace(DEFAULT, selection=Selection.PRIORITY)
+    cands = [cand(1, priority=9, last_s=1), cand(2, priority=0, last_s=50), cand(3, priority=4, last_s=5)]
+    assert [v.req for v in choose_victims(cands, 700, s, COST)] == [2, 3]
+
+
+def test_missing_priority_counts_as_five_and_is_reported():
+    s = replace(DEFAULT, selection=Selection.PRIORITY)
+    cands = [cand(1, priority=6), cand(2, priority=None), cand(3, priority=4)]
+    assert [v.req for v in choose_victims(cands, 1200, s, COST)] == [3, 2, 1]
+    p = plan(view(u_kv=0.9, candidates=tuple(cands)), s, PlannerConfig(), COST, reason="t")
+    assert p.priority_defaulted == 1
+    assert [v.priority for v in p.victims if v.req == 2] == [5]
+
+
+def test_cost_aware_prefers_fresh_requests_over_ones_deep_in_decode():
+    s = replace(EMERGENCY)
+    deep = cand(1, units=400, tokens=1600, generated=1500)
+    fresh = cand(2, units=400, tokens=1600, generated=0)
+    assert [v.req for v in choose_victims([deep, fresh], 100, s, COST)] == [2]
+
+
+def test_cost_aware_ignores_units_shared_with_other_requests():
+    s = replace(EMERGENCY)
+    mostly_shared = cand(1, units=400, shared=380)
+    private = cand(2, units=200)
+    assert choose_victims([mostly_shared, private], 100, s, COST)[0].req == 2
+
+
+def test_swap_is_cheaper_than_recompute_for_long_contexts_when_host_has_room():
+    c = cand(1, units=2000, tokens=8000)
+    recompute = COST.recovery_s(c, 2000, HandlingChoice.RECOMPUTE)
+    swap = COST.recovery_s(c, 2000, HandlingChoice.SWAP)
+    assert swap < recompute
+    no_room = replace(COST, swap_free_units=10)
+    assert no_room.recovery_s(c, 2000, HandlingChoice.SWAP) == pytest.approx(recompute)
+
+
+def test_block_granularity_takes_only_the_missing_units_from_the_last_victim():
+    cands = [cand(1, units=300, last_s=1), cand(2, units=300, last_s=2)]
+    victims = choose_victims(cands, 400, DEFAULT, COST)
+    assert [(v.req, v.units) for v in victims] == [(1, 300), (2, 100)]
+    req_level = choose_victims(cands, 400, replace(DEFAULT, granularity=Granularity.REQUEST), COST)
+    assert [(v.req, v.units) for v in req_level] == [(1, 0), (2, 0)]
+
+
+def test_excluded_and_fully_shared_candidates_are_never_chosen():
+    cands = [cand(1), cand(2, units=100, shared=100), cand(3)]
+    victims = choose_victims(cands, 2000, DEFAULT, COST, exclude=frozenset({1}))
+    assert [v.req for v in victims] == [3]
+
+
+def test_fragmented_but_sufficient_free_space_is_compacted_not_evicted():
+    # plenty free in total, but in slivers: Ψ is high only because of F_ext
+    v = view(u_kv=0.50, f_ext=0.8, f_int=0.05, psi=(0.50 + 0.05) * (1 + 1.6 + 0.05),
+             free_units=4500, largest_free_run_units=900, candidates=(cand(1), cand(2)))
+    p = plan(v, DEFAULT, PlannerConfig(required_run_units=1024), COST, reason="frag")
+    assert p.compact_moves > 0
+    assert p.victims == ()
+
+
+def test_pressure_beyond_what_compaction_cures_also_evicts():
+    v = view(u_kv=0.92, f_ext=0.7, psi=1.5, free_units=300, largest_free_run_units=100,
+             candidates=tuple(cand(i, last_s=i) for i in range(1, 10)))
+    p = plan(v, DEFAULT, PlannerConfig(required_run_units=128), COST, reason="hot")
+    assert p.victims
+    assert sum(v.units for v in p.victims) >= p.units_needed
+
+
+def test_short_free_space_reclaims_cached_pages_first():
+    v = view(free_units=100, largest_free_run_units=100, cached_units=2000, u_kv=0.5, psi=0.6)
+    p = plan(v, DEFAULT, PlannerConfig(required_run_units=512), COST, reason="room")
+    assert p.reclaim_units == int(512 * 1.25) - 100
+    assert p.victims == ()
+
+
+def test_view_from_a_tick_like_mapping():
+    tick = {"node": "n", "ts_ns": 5, "u_kv": 0.8, "f_ext": 0.3, "f_int": 0.1, "psi": 0.9,
+            "dynamic_units": 100, "free_units": 20, "largest_free_run_units": 10, "cached_units": 3,
+            "p_oom": 0.7, "u_kv_forecast": [0.8, 0.85],
+            "candidates": [{"req": 4, "priority": 5, "units": 8, "tokens": 32, "prompt_tokens": 20,
+                            "last_ts_ns": 1, "shared_units": 2, "pages": 2}]}
+    v = view_from_tick(tick)
+    assert v.dynamic_units == 100 and v.p_oom == 0.7 and v.u_kv_forecast == (0.8, 0.85)
+    assert v.candidates[0].generated_tokens == 12 and v.candidates[0].freeable_units == 6

@@ -1,0 +1,206 @@
+"""StreamCore: ticks on event time, exact levels at every boundary, sequencing, persistence, predictor."""
+
+import numpy as np
+import pytest
+
+from kvguard.events import EventBatch, EventKind as K
+from streams.core import NodeState, StreamConfig, StreamConfigError, StreamCore
+from streams.metrics import FEATURE_NAMES, Tick
+from streams.predictor import PredictorMismatch
+from tests.unit.streams_refpool import RefPool, batches_of, small_geometry
+
+NS = 1_000_000_000
+
+
+def drive(seed: int, seconds: float, tick_s: float = 10.0, units: int = 128):
+    """Run the reference allocator for ``seconds`` of event time; return it and the exact metrics
+    at each tick boundary (the state after every event before the boundary)."""
+    pool = RefPool(small_geometry(units), seed=seed)
+    tick_ns = int(tick_s * NS)
+    end = pool.now + int(seconds * NS)
+    expected: dict[int, dict] = {}
+    names, weights = zip(*RefPool.OPS)
+    while pool.now < end:
+        before = pool.now
+        pool.now += pool.rng.randint(0, 200_000_000)
+        b = (before // tick_ns + 1) * tick_ns
+        while b <= pool.now:
+            if pool.rows:
+                expected[b] = pool.metrics()
+            b += tick_ns
+        getattr(pool, pool.rng.choices(names, weights)[0])()
+    return pool, expected
+
+
+def test_ticks_equal_exact_state_at_every_boundary_for_any_batching():
+    pool, expected = drive(seed=4, seconds=300)
+    events = pool.events()
+    results = []
+    for cuts in ([], list(range(7, len(events), 7)), list(range(1, len(events)))):
+        core = StreamCore(StreamConfig())
+        ticks = []
+        for batch in batches_of(events, "n0", pool.g, cuts):
+            ticks.extend(core.process(batch)[0])
+        results.append([t.to_dict() for t in ticks])
+        got = {t.ts_ns: t for t in ticks}
+        assert set(got) == {b for b in expected if b <= int(events["ts_ns"][-1])}
+        for b, t in got.items():
+            want = expected[b]
+            assert (t.u_kv, t.f_ext, t.f_int, t.psi) == (want["u_kv"], want["f_ext"], want["f_int"], want["psi"])
+            assert t.largest_free_run_units == want["largest_free_run"] and t.synced
+    assert results[0] == results[1] == results[2]
+
+
+def test_idle_boundaries_are_ticked_and_counts_cover_their_interval():
+    g = small_geometry(32)
+    pool = RefPool(g, seed=0)
+    pool.now = 5 * NS
+    r = pool.arrive()
+    pool.now = 37 * NS
+    pool.arrive()
+    core = StreamCore(StreamConfig(tick_s=10))
+    ticks, _ = core.process(EventBatch("n", 0, pool.events(), geometry=g))
+    assert [t.ts_ns for t in ticks] == [10 * NS, 20 * NS, 30 * NS]
+    assert [t.arrivals for t in ticks] == [1, 0, 0]
+    assert r > 0
+    ticks, _ = core.flush(40 * NS)
+    assert [(t.ts_ns, t.arrivals) for t in ticks] == [(40 * NS, 1)]
+
+
+def test_slope_is_least_squares_of_u_kv_over_trailing_window_per_minute():
+    g = small_geometry(100, classes=(1,))
+    pool = RefPool(g, seed=0)
+    r = pool.arrive()
+    pool.requests[r]["running"] = True
+    pool.emit(K.ADMIT, req=r)
+    for i in range(60):  # one unit more every 10 s: U_kv rises 0.01 per 10 s = 0.06 per minute
+        pool.now = (i * 10 + 5) * NS
+        pool.emit(K.ALLOC, req=r, offset=i, size=1, tokens=4)
+    pool.now = 605 * NS
+    pool.emit(K.STEP, size=1)
+    core = StreamCore(StreamConfig(tick_s=10, slope_window_s=300))
+    ticks, alerts = core.process(EventBatch("n", 0, pool.events(), geometry=g))
+    assert ticks[-1].slope_per_min == pytest.approx(0.06)
+    assert ticks[0].slope_per_min == 0.0
+    rising = [a for a in alerts if a.rule == "KVCacheUsageRising"]
+    assert rising and rising[0].state == "firing"
+
+
+def test_duplicates_are_skipped_and_gaps_mark_ticks_unsynced_until_a_snapshot_state():
+    pool, _ = drive(seed=8, seconds=120)
+    n = len(pool.rows)
+    state = pool.snapshot()
+    for _ in range(50):
+        pool.random_op(time_step_ns=100_000_000)
+    events = pool.events()
+    third = n // 3
+    batches = batches_of(events, "n", pool.g, [third, 2 * third, n, n + 1], states={n: state})
+    core = StreamCore()
+    core.process(batches[0])
+    core.process(batches[0])  # redelivery
+    st = core.nodes["n"]
+    assert st.duplicates == 1
+    ticks, _ = core.process(batches[2])  # batch 1 lost
+    assert st.gaps == 1 and all(not t.synced for t in ticks)
+    core.process(batches[3])  # carries the SNAPSHOT and its state
+    assert st.mirror.synced and st.mirror.resync_count == 1
+    ticks, _ = core.process(batches[4])
+    assert all(t.synced for t in ticks)
+    m = st.mirror.metrics()
+    assert m.tokens_stored == pool.metrics()["tokens_stored"]
+    offs, sizes = pool.free_runs()
+    assert st.mirror.free_runs()[0].tolist() == offs.tolist()
+
+
+def test_node_state_bytes_round_trip_continues_identically():
+    pool, _ = drive(seed=2, seconds=200)
+    events = pool.events()
+    batches = batches_of(events, "n", pool.g, list(range(50, len(events), 50)))
+    half = len(batches) // 2
+    straight = StreamCore()
+    out_a = [straight.process(b) for b in batches]
+    resumed = StreamCore()
+    out_b = [resumed.process(b) for b in batches[:half]]
+    data = resumed.nodes["n"].to_bytes()
+    resumed.nodes["n"] = NodeState.from_bytes(data, resumed.config)
+    out_b += [resumed.process(b) for b in batches[half:]]
+    flat = lambda out: [t.to_dict() for ticks, _ in out for t in ticks]
+    assert flat(out_a) == flat(out_b)
+    assert len(data) < 64_000
+
+
+class ConstantPredictor:
+    feature_names = FEATURE_NAMES
+    window_ticks = 6
+
+    def __init__(self):
+        self.calls = []
+
+    def predict(self, windows):
+        self.calls.append(windows.shape)
+        n = len(windows)
+        return np.full(n, 0.75), np.repeat(windows[:, -1:, 0], 3, axis=1)
+
+
+def test_predictor_is_called_once_per_process_many_with_all_new_ticks():
+    pools = [drive(seed=s, seconds=60)[0] for s in (1, 2)]
+    pred = ConstantPredictor()
+    core = StreamCore(StreamConfig(), predictor=pred)
+    batches = [EventBatch(f"n{i}", 0, p.events(), geometry=p.g) for i, p in enumerate(pools)]
+    ticks, alerts = core.process_many(batches)
+    assert len(pred.calls) == 1 and pred.calls[0][0] == len(ticks) > 2
+    assert pred.calls[0][1:] == (6, len(FEATURE_NAMES))
+    assert all(t.p_oom == 0.75 and len(t.u_kv_forecast) == 3 for t in ticks)
+    assert {a.node for a in alerts if a.rule == "KVCacheOOMPredicted" and a.state == "firing"} == {"n0", "n1"}
+    for t in ticks:  # each tick's window ends at that tick, even when one call makes several
+        assert t.u_kv_forecast == [pytest.approx(t.u_kv)] * 3
+
+
+def test_predictor_with_other_features_is_refused():
+    class Wrong(ConstantPredictor):
+        feature_names = ("u_kv",)
+    with pytest.raises(PredictorMismatch, match="FEATURE_NAMES"):
+        StreamCore(predictor=Wrong())
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(StreamConfigError, match="tick_s"):
+        StreamConfig(tick_s=0)
+    with pytest.raises(StreamConfigError, match="reserved_frac"):
+        StreamConfig(reserved_frac=1.5)
+
+
+def test_candidates_include_the_lru_lowest_priority_and_largest_exclusive_holders():
+    g = small_geometry(256, classes=(1, 16))
+    pool = RefPool(g, seed=0)
+    reqs = []
+    for i in range(10):
+        pool.now = (i + 1) * NS
+        r = pool.arrive()
+        pool.emit(K.ADMIT, req=r)
+        reqs.append(r)
+    prios = {r: pool.requests[r]["priority"] for r in reqs}
+    offset = 0
+    for i, r in enumerate(reqs):  # request i holds i+1 one-unit pages, touched at time 20+i
+        pool.now = (20 + i) * NS
+        for _ in range(i + 1):
+            pool.emit(K.ALLOC, req=r, offset=offset, size=1, tokens=2)
+            offset += 1
+    pool.emit(K.SHARE, req=reqs[0], offset=offset - 1, size=1, tokens=2)  # r0 shares r9's last page
+    pool.now = 45 * NS
+    pool.emit(K.STEP, size=1)
+    ticks, _ = StreamCore(StreamConfig(max_candidates=4)).process(EventBatch("n", 0, pool.events(), geometry=g))
+    cands = {c.req: c for c in ticks[-1].candidates}
+    assert len(cands) == 4
+    lowest = min(reqs, key=lambda r: (prios[r], -r))
+    assert reqs[1] in cands and lowest in cands and reqs[9] in cands  # LRU (r0 touched last), priority, largest
+    assert cands[reqs[9]].units == 10 and cands[reqs[9]].shared_units == 1 and cands[reqs[9]].pages == 10
+    assert cands[reqs[1]].prompt_tokens == pool.requests[reqs[1]]["prompt"]
+    assert cands[reqs[1]].priority == prios[reqs[1]] and cands[reqs[1]].last_ts_ns == 21 * NS
+
+
+def test_tick_dict_round_trip():
+    pool, _ = drive(seed=6, seconds=40)
+    ticks, _ = StreamCore().process(EventBatch("n", 0, pool.events(), geometry=pool.g))
+    t = ticks[-1]
+    assert Tick.from_dict(t.to_dict()) == t
