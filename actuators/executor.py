@@ -14,6 +14,10 @@ TTLs or duplicates (``actuators.actuator`` does that before calling it) and neve
   A target that already finished (or is not running any more) is a no-op, never an error.
 * ``compact``: migrate up to ``max_moves`` pages so that free runs coalesce.
 * ``reclaim``: drop up to ``units_needed`` units of cached prefix pages.
+* ``headroom``: hold ``units_needed`` units back from admission on top of the engine's own
+  watermark (0 releases it). Evicted requests go back to the engine's queues and are re-admitted
+  as soon as the free-space count allows, so without this an eviction only buys time; with it
+  the freed space stays free and the next step's workspace and pages find contiguous room.
 
 Every change the pool makes is recorded as events (EVICT, SWAP_OUT, MIGRATE, RECLAIM, …), so
 executed actions reach ``kvguard.events`` through the node's producer like any other event.
@@ -56,7 +60,9 @@ class Executor:
             Action.EVICT: self._evict,
             Action.COMPACT: self._compact,
             Action.RECLAIM: self._reclaim,
+            Action.HEADROOM: self._headroom,
         }
+        self._base_watermark_units = int(getattr(engine, "watermark_units", 0))
 
     def execute(self, command: Command, now_ns: int) -> ExecutionResult:
         return self._actions[command.action](command, now_ns)
@@ -120,6 +126,17 @@ class Executor:
         except Exception as err:
             return _result(0, 0, 0, 0, [f"reclaim: {type(err).__name__}: {err}"])
         return _result(freed, 0, 1 if freed else 0, 0 if freed else 1, [])
+
+    def _headroom(self, command: Command, now_ns: int) -> ExecutionResult:
+        units = max(0, int(command.units_needed))
+        setter = getattr(self.engine, "set_admission_headroom", None)
+        if setter is not None:
+            setter(units)
+        else:
+            # the engine's admission checks read ``watermark_units``; kvguard's hold adds to the
+            # engine's own watermark and a release (0) restores it exactly
+            self.engine.watermark_units = self._base_watermark_units + units
+        return _result(0, 0, 1, 0, [])
 
     # -- page choice -------------------------------------------------------------------------
 

@@ -240,9 +240,11 @@ class Candidate(BaseModel):
     req: int
     priority: int = 5
     units: int = 0
+    pages: int = 0
     tokens: int = 0
-    last_ts_ns: int = 0
     shared_units: int = 0
+    prompt_tokens: int = 0
+    last_ts_ns: int = 0
 
 
 class MetricTick(WireModel):
@@ -272,6 +274,29 @@ class MetricTick(WireModel):
     arrivals: int = 0
     largest_free_run_units: int = 0
     free_units: int = 0
+    # the streams Tick's other fields (streams.metrics.Tick), carried so readers can rebuild it
+    tick_s: float = 0.0
+    synced: bool = True
+    live_units: int = 0
+    cached_units: int = 0
+    retained_units: int = 0
+    workspace_units: int = 0
+    n_free_runs: int = 0
+    dynamic_units: int = 0
+    tokens_stored: int = 0
+    util_weights: float = 0.0
+    util_kv_live: float = 0.0
+    util_kv_cached: float = 0.0
+    util_workspace: float = 0.0
+    util_free: float = 0.0
+    util_headroom: float = 0.0
+    util_reserved: float = 0.0
+    reserved_frac: float = 0.0
+    requests_holding_pages: int = 0
+    finished: int = 0
+    alloc_failures: int = 0
+    decode_tokens_per_s: float = 0.0
+    events: int = 0
     p_oom: float | None = None
     u_kv_forecast: list[float] | None = None
     candidates: list[Candidate] = Field(default_factory=list)
@@ -288,6 +313,8 @@ class Alert(WireModel):
     status: str = "firing"  # firing | resolved
     fingerprint: str = ""
     started_at_ns: int = 0
+    ends_at_ns: int | None = None
+    tier_level: int | None = None  # 1 threshold, 2 slope, 3 lstm
     value: float | None = None
     threshold: float | None = None
     p_oom: float | None = None

@@ -63,6 +63,8 @@ class KafkaSettings(_Section):
     send_buffer_records: int = Field(100_000, gt=0)
     send_buffer_timeout_s: float = Field(30.0, ge=0)
     request_timeout_ms: int = Field(40_000, gt=0)
+    # Tansu 0.6 answers InitProducerId with an error, so an idempotent producer never gets going
+    # there; turn it on against Apache Kafka / Redpanda
     idempotent: bool = False
     acks: Literal["0", "1", "all"] = "all"
     compression: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
@@ -169,13 +171,17 @@ class PolicySettings(_Section):
     hmac_secret: str = Field("", repr=False)
     command_ttl_s: float = Field(30.0, gt=0)
     async_scan_s: float = Field(30.0, gt=0)
+    # per-preset strategy overrides ({"selection": "priority", "threshold": 0.8}); checked by
+    # policy.strategy.strategy_from_mapping, which names the bad field as policy.default.<field>
+    default: dict[str, Any] = Field(default_factory=dict)
+    emergency: dict[str, Any] = Field(default_factory=dict)
 
 
 class BudgetSettings(_Section):
     minutes_per_week: float = Field(60.0, gt=0)
     f_ext_threshold: float = Field(0.5, ge=0, le=1)
     retention_weeks: int = Field(8, gt=0)
-    key_prefix: str = "kvguard:budget"
+    key_prefix: str = "kvguard:"
 
 
 class NodeSettings(_Section):

@@ -29,6 +29,7 @@ class Action(StrEnum):
     EVICT = "evict"  # free the targets' pages at the command's granularity and handling
     COMPACT = "compact"  # migrate pages to coalesce free runs (no request loses anything)
     RECLAIM = "reclaim"  # drop cached (unreferenced) prefix pages
+    HEADROOM = "headroom"  # hold ``units_needed`` units back from admission (0 = release)
 
 
 class Mode(StrEnum):

@@ -13,6 +13,12 @@ Per tick and node:
    budget is running low, F_ext above the budget's line triggers compaction as well.
 4. ``planner.plan`` says how much to free and from whom; the engine turns the plan into
    commands with idempotency ids derived from (node, tick time, action, position), signed.
+5. Admission headroom: an engine re-admits evicted requests as soon as its free-space count
+   allows, so evictions alone only buy time. While a node is at risk (any trigger, the
+   structural guard, EMERGENCY, or its queued prefills would not leave one full step of
+   contiguous room) the engine asks the node to hold ``headroom_units`` back from admission
+   (twice that in EMERGENCY); after ``headroom_calm_ticks`` calm ticks it releases the hold.
+   The hold is a level, not a delta, so a repeated or reordered command does no harm.
 
 Pure and deterministic: time is the tick's event time, no clock, no I/O. The service shell
 (``policy.service``) feeds it ticks from the bus and publishes what it returns.
@@ -44,6 +50,10 @@ class EngineConfig:
     budget_low_frac: float = 0.25
     budget_f_ext: float = 0.5  # the budget debits seconds above this F_ext
     dynamic_units: int | None = None  # D when the ticks do not carry it
+    unit_tokens: int = 4
+    headroom_units: int = 0  # admission hold while at risk (0: never hold)
+    headroom_calm_ticks: int = 6
+    headroom_refresh_s: float = 60.0  # re-send the current hold this often (acks may be lost)
 
 
 @dataclass(slots=True)
@@ -70,6 +80,7 @@ class EngineCounters:
     priority_defaulted: int = 0
     mode_changes: int = 0
     no_candidate: int = 0
+    headroom_commands: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -83,6 +94,8 @@ class PolicyEngine:
         self.counters = EngineCounters()
         self._last_scan_ns: dict[str, int] = {}
         self._recent: dict[str, dict[int, int]] = {}
+        self._held: dict[str, tuple[int, int]] = {}  # node -> (units held, ts_ns of the last command)
+        self._calm: dict[str, int] = {}
 
     def strategy_for(self, mode: Mode) -> Strategy:
         return self.config.emergency if mode is Mode.EMERGENCY else self.config.default
@@ -90,7 +103,7 @@ class PolicyEngine:
     def decide(self, tick: Any, *, budget_remaining_frac: float | None = None) -> Decision:
         """Commands for one tick of one node. ``tick``: a ``streams.metrics.Tick`` or a ``NodeView``."""
         view = tick if isinstance(tick, NodeView) else view_from_tick(
-            tick, dynamic_units=self.config.dynamic_units)
+            tick, dynamic_units=self.config.dynamic_units, unit_tokens=self.config.unit_tokens)
         self.counters.ticks += 1
         change = self.modes.observe(view)
         if change:
@@ -98,37 +111,65 @@ class PolicyEngine:
         mode = self.modes.mode(view.node)
         strategy = self.strategy_for(mode)
         decision = Decision(view.node, view.ts_ns, mode, strategy.variant, mode_change=change)
-        reason = self._reason(view, strategy, mode, budget_remaining_frac)
-        if reason is None:
-            return decision
-        self.counters.triggered += 1
-        recent = self._recent_victims(view)
-        the_plan = plan(view, strategy, self.config.planner, self.config.cost, reason=reason,
-                        exclude=frozenset(recent))
-        decision.reason, decision.plan = reason, the_plan
-        self.counters.priority_defaulted += the_plan.priority_defaulted
-        if the_plan.units_needed and not the_plan.victims and the_plan.notes:
-            self.counters.no_candidate += 1
-        decision.commands = self._commands(view, strategy, mode, the_plan)
-        if decision.commands:
-            self.modes.note_action(view.node, view.ts_ns)
+        risk = self._contiguity_risk(view)
+        guard = self._structural_guard(view, budget_remaining_frac)
+        trigger = trigger_reason(view, strategy, self.config.forecast_step_s, risk) if self._due(view, strategy) else None
+        reason = trigger or guard
+        the_plan = Plan()
+        if reason is not None:
+            self.counters.triggered += 1
+            recent = self._recent_victims(view)
+            # the guard alone compacts (and frees only a shortfall of free space); a trigger also
+            # brings U_kv and the trajectory back under the strategy's targets
+            the_plan = plan(view, strategy, self.config.planner, self.config.cost, reason=reason,
+                            exclude=frozenset(recent), relieve=trigger is not None)
+            self.counters.priority_defaulted += the_plan.priority_defaulted
+            if the_plan.units_needed and not the_plan.victims and the_plan.notes:
+                self.counters.no_candidate += 1
             for victim in the_plan.victims:
                 recent[victim.req] = view.ts_ns
+        at_risk = reason or risk or (f"{view.ooms} OOM(s) in the last tick" if view.ooms else None) or (
+            "emergency mode" if mode is Mode.EMERGENCY else None)
+        decision.reason, decision.plan = at_risk, the_plan
+        headroom = self._headroom(view, mode, at_risk)
+        decision.commands = self._commands(view, strategy, mode, the_plan, headroom, at_risk or "pressure fell")
+        if any(c.action is not Action.HEADROOM for c in decision.commands):
+            self.modes.note_action(view.node, view.ts_ns)
         return decision
 
-    # -- when to act -------------------------------------------------------------------------
-
-    def _reason(self, view: NodeView, strategy: Strategy, mode: Mode,
-                budget_remaining_frac: float | None) -> str | None:
-        guard = self._structural_guard(view, budget_remaining_frac)
-        if guard:
-            return guard
-        if not self._due(view, strategy):
+    def _contiguity_risk(self, view: NodeView) -> str | None:
+        """The tick's own forecast: will the next full step find one contiguous run?"""
+        required = self.config.planner.required_run_units
+        if not required:
             return None
-        reason = trigger_reason(view, strategy, self.config.forecast_step_s)
-        if reason is None and mode is Mode.EMERGENCY:
-            reason = trigger_reason(view, self.config.default, self.config.forecast_step_s)
-        return reason
+        wanted = required * (1 + self.config.planner.run_margin)
+        if view.largest_free_run_units < wanted:
+            return f"largest free run {view.largest_free_run_units} < {wanted:.0f} units one full step needs"
+        room = view.free_units - view.pending_prefill_units
+        if room < wanted:
+            return (f"queued prefills ({view.pending_prefill_units} units) would leave {room} free units, "
+                    f"under the {wanted:.0f} one full step needs")
+        return None
+
+    def _headroom(self, view: NodeView, mode: Mode, risk: str | None) -> int | None:
+        """The admission hold to command now, or None to leave it as it is."""
+        units = self.config.headroom_units
+        if units <= 0:
+            return None
+        held, last_ns = self._held.get(view.node, (0, view.ts_ns))
+        if risk:
+            self._calm[view.node] = 0
+            want = units * (2 if mode is Mode.EMERGENCY else 1)
+        else:
+            self._calm[view.node] = self._calm.get(view.node, 0) + 1
+            want = 0 if self._calm[view.node] >= self.config.headroom_calm_ticks else held
+        stale = view.ts_ns - last_ns >= self.config.headroom_refresh_s * NS
+        if want == held and not (held and stale):
+            return None
+        self._held[view.node] = (want, view.ts_ns)
+        return want
+
+    # -- when to act -------------------------------------------------------------------------
 
     def _structural_guard(self, view: NodeView, budget_remaining_frac: float | None) -> str | None:
         required = self.config.planner.required_run_units
@@ -152,12 +193,15 @@ class PolicyEngine:
 
     # -- what to send ------------------------------------------------------------------------
 
-    def _commands(self, view: NodeView, strategy: Strategy, mode: Mode, the_plan: Plan) -> list[Command]:
+    def _commands(self, view: NodeView, strategy: Strategy, mode: Mode, the_plan: Plan,
+                  headroom: int | None, reason: str) -> list[Command]:
         ttl_ns = int(self.config.command_ttl_s * NS)
         common = dict(node=view.node, granularity=strategy.granularity, handling=strategy.handling,
-                      reason=the_plan.reason, mode=mode, variant=strategy.variant,
+                      reason=reason, mode=mode, variant=strategy.variant,
                       issued_at_ns=view.ts_ns, ttl_ns=ttl_ns)
         drafts: list[Command] = []
+        if headroom is not None:
+            drafts.append(Command(id="", action=Action.HEADROOM, targets=(), units_needed=headroom, **common))
         if the_plan.compact_moves:
             drafts.append(Command(id="", action=Action.COMPACT, targets=(), max_moves=the_plan.compact_moves,
                                   **common))
@@ -179,6 +223,8 @@ class PolicyEngine:
                 self.counters.victims += len(cmd.targets)
             elif cmd.action is Action.COMPACT:
                 self.counters.compact_commands += 1
+            elif cmd.action is Action.HEADROOM:
+                self.counters.headroom_commands += 1
             else:
                 self.counters.reclaim_commands += 1
         return out
@@ -191,26 +237,37 @@ class PolicyEngine:
         return recent
 
 
-def trigger_reason(view: NodeView, strategy: Strategy, forecast_step_s: float) -> str | None:
-    """Why the strategy's trigger fires on this view, or None."""
+def trigger_reason(view: NodeView, strategy: Strategy, forecast_step_s: float,
+                   risk: str | None = None) -> str | None:
+    """Why the strategy's trigger fires on this view, or None.
+
+    hard: U_kv above the threshold. soft: U_kv above the threshold *and* the prediction agrees
+    (``risk``: the tick's own contiguity forecast, or the LSTM forecast crossing the threshold),
+    or P(OOM) from the LSTM alone. fragmentation: F_ext above the threshold. With predictive
+    timing only the forecast within the horizon (or P(OOM)) triggers, and U_kv past 0.95 as a
+    last resort.
+    """
     th = strategy.threshold
     if strategy.trigger is Trigger.FRAGMENTATION:
         if view.f_ext > th and view.free_units > 0:
             return f"f_ext {view.f_ext:.2f} > {th}"
         return None
-    if strategy.timing is not Timing.PREDICTIVE or strategy.trigger is Trigger.HARD:
-        if view.u_kv > th:
-            return f"u_kv {view.u_kv:.3f} > {th}"
-        if view.psi >= th:
-            return f"psi {view.psi:.3f} >= {th}"
-    elif view.u_kv > max(th, 0.95) or view.psi >= 1.0:
-        return f"u_kv {view.u_kv:.3f} / psi {view.psi:.3f} past the hard line"
-    if strategy.trigger is Trigger.SOFT and strategy.use_prediction:
-        if view.p_oom is not None and view.p_oom >= strategy.p_oom_threshold:
-            return f"P(OOM in 5 min) {view.p_oom:.2f} >= {strategy.p_oom_threshold}"
-        horizon = view.u_kv_forecast
-        if strategy.timing is Timing.PREDICTIVE:
-            horizon = horizon[: max(1, int(strategy.predictive_horizon_s // forecast_step_s))]
-        if horizon and max(horizon) > th:
-            return f"forecast u_kv {max(horizon):.3f} > {th}"
+    if view.p_oom is not None and strategy.use_prediction and view.p_oom >= strategy.p_oom_threshold:
+        return f"P(OOM in 5 min) {view.p_oom:.2f} >= {strategy.p_oom_threshold}"
+    forecast = view.u_kv_forecast
+    if strategy.timing is Timing.PREDICTIVE:
+        forecast = forecast[: max(1, int(strategy.predictive_horizon_s // forecast_step_s))]
+        if forecast and max(forecast) > th:
+            return f"forecast u_kv {max(forecast):.3f} > {th} within {strategy.predictive_horizon_s:g} s"
+        if view.u_kv > max(th, 0.95):
+            return f"u_kv {view.u_kv:.3f} past the hard line"
+        return None
+    if view.u_kv <= th:
+        return None
+    if strategy.trigger is Trigger.HARD or not strategy.use_prediction:
+        return f"u_kv {view.u_kv:.3f} > {th}"
+    if forecast and max(forecast) > th:
+        return f"u_kv {view.u_kv:.3f} > {th} and forecast {max(forecast):.3f}"
+    if risk:
+        return f"u_kv {view.u_kv:.3f} > {th} and {risk}"
     return None

@@ -3,13 +3,16 @@
 Escalate to EMERGENCY when DEFAULT is failing on that node:
 
 * an OOM happened (the tick counts one), or
-* Ψ reached 1 (OOM unavoidable at the current fragmentation), or
 * pressure keeps rising after actions: kvguard acted on the node within ``action_window_s`` and
-  Ψ still rose on ``rising_ticks`` consecutive ticks while above ``escalate_psi``.
+  U_kv still rose on ``rising_ticks`` consecutive ticks while above ``escalate_u_kv``.
 
-De-escalate back to DEFAULT when pressure has fallen: Ψ below ``deescalate_psi`` on
+De-escalate back to DEFAULT when pressure has fallen: U_kv below ``deescalate_u_kv`` on
 ``calm_ticks`` consecutive ticks, no OOM meanwhile, and at least ``min_emergency_s`` spent in
 EMERGENCY (hysteresis, so a node does not flap between modes tick by tick).
+
+Pressure here is U_kv, not Ψ: on the shadow engine a busy node sits at Ψ ≥ 1 for long stretches
+without an OOM (Ψ's fragmentation factor is deliberately pessimistic), so Ψ would pin every busy
+node in EMERGENCY.
 
 Every switch is a ``ModeChange`` value; the service logs it and publishes it on the alerts topic.
 Pure: time is the tick's event time.
@@ -27,11 +30,11 @@ from policy.planner import NodeView
 class ModeConfig:
     rising_ticks: int = 3
     rising_epsilon: float = 0.005
-    escalate_psi: float = 0.90
+    escalate_u_kv: float = 0.90
     action_window_s: float = 120.0
-    deescalate_psi: float = 0.75
-    calm_ticks: int = 6
-    min_emergency_s: float = 120.0
+    deescalate_u_kv: float = 0.88
+    calm_ticks: int = 12
+    min_emergency_s: float = 180.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,7 +55,7 @@ class _NodeMode:
     mode: Mode = Mode.DEFAULT
     since_ns: int = 0
     last_action_ns: int | None = None
-    last_psi: float | None = None
+    last_u_kv: float | None = None
     rising: int = 0
     calm: int = 0
 
@@ -74,12 +77,12 @@ class ModeTracker:
     def observe(self, view: NodeView) -> ModeChange | None:
         cfg = self.config
         state = self._state(view.node)
-        if state.last_psi is not None and view.psi > state.last_psi + cfg.rising_epsilon:
+        if state.last_u_kv is not None and view.u_kv > state.last_u_kv + cfg.rising_epsilon:
             state.rising += 1
-        elif state.last_psi is not None and view.psi < state.last_psi - cfg.rising_epsilon:
+        elif state.last_u_kv is not None and view.u_kv < state.last_u_kv - cfg.rising_epsilon:
             state.rising = 0
-        state.last_psi = view.psi
-        state.calm = state.calm + 1 if view.psi < cfg.deescalate_psi and view.ooms == 0 else 0
+        state.last_u_kv = view.u_kv
+        state.calm = state.calm + 1 if view.u_kv < cfg.deescalate_u_kv and view.ooms == 0 else 0
         if state.mode is Mode.DEFAULT:
             reason = self._failing(view, state)
             if reason:
@@ -87,7 +90,7 @@ class ModeTracker:
             return None
         in_emergency_s = (view.ts_ns - state.since_ns) / 1e9
         if state.calm >= cfg.calm_ticks and in_emergency_s >= cfg.min_emergency_s:
-            reason = (f"pressure fell: psi {view.psi:.3f} < {cfg.deescalate_psi} for "
+            reason = (f"pressure fell: u_kv {view.u_kv:.3f} < {cfg.deescalate_u_kv} for "
                       f"{state.calm} ticks after {in_emergency_s:.0f} s in emergency")
             return self._switch(state, view, Mode.DEFAULT, reason)
         if view.ooms:
@@ -98,13 +101,11 @@ class ModeTracker:
         cfg = self.config
         if view.ooms:
             return f"{view.ooms} OOM(s) in the last tick"
-        if view.psi >= 1.0:
-            return f"psi {view.psi:.3f} >= 1: OOM unavoidable at current fragmentation"
         acted_recently = (state.last_action_ns is not None
                           and view.ts_ns - state.last_action_ns <= cfg.action_window_s * 1e9)
-        if acted_recently and state.rising >= cfg.rising_ticks and view.psi >= cfg.escalate_psi:
-            return (f"pressure keeps rising after actions: psi up {state.rising} ticks in a row "
-                    f"to {view.psi:.3f}")
+        if acted_recently and state.rising >= cfg.rising_ticks and view.u_kv >= cfg.escalate_u_kv:
+            return (f"pressure keeps rising after actions: u_kv up {state.rising} ticks in a row "
+                    f"to {view.u_kv:.3f}")
         return None
 
     def _switch(self, state: _NodeMode, view: NodeView, to: Mode, reason: str) -> ModeChange:

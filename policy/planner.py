@@ -10,11 +10,15 @@ How much to free
 Three targets, the largest need wins (fractions of the dynamic region D):
 
 * U_kv back to ``target_u_kv``: ``u_kv - target_u_kv``;
-* Ψ back to ``target_psi``. Ψ = used/D · m with m = 1 + α·F_ext + β·F_int, so with m held fixed
-  the live KV to drop is ``(Ψ - target_psi) / m``. When compaction is part of the plan, F_ext is
-  expected to fall to ``compacted_f_ext`` first, and the need is computed with that smaller m;
-* the predicted trajectory (LSTM forecast of U_kv over the next minutes), when the strategy uses
-  the prediction: ``max(forecast) - target_u_kv``.
+* Ψ back to ``target_psi``. Ψ = used/D · m with m = 1 + α·F_ext + β·F_int. Fragmentation is
+  what compaction cures, so the need is computed at the F_ext a compaction leaves
+  (``compacted_f_ext``): the live KV to drop is ``used/D - target_psi / m_after``. Measured on
+  the shadow engine, Ψ with the current F_ext is ≥ 1 for much of a busy run that never OOMs, so
+  targeting it uncompacted would evict far more than needed;
+* the predicted trajectory, when the strategy uses the prediction: the LSTM's U_kv forecast
+  over the next minutes, and the tick's own short-term trajectory — the units the candidates'
+  unfinished prompts will still take (``pending_prefill_units``) on top of today's U_kv:
+  ``max(forecast, u_kv + pending/D) - target_u_kv``.
 
 Compaction instead of eviction
 ------------------------------
@@ -75,6 +79,12 @@ class Candidate:
     last_ts_ns: int
     shared_units: int = 0
     generated_tokens: int = 0
+    prompt_tokens: int = 0
+    unit_tokens: int = 4
+
+    @property
+    def pending_prefill_units(self) -> int:
+        return max(0, -(-(self.prompt_tokens - self.tokens) // self.unit_tokens))
 
     @property
     def effective_priority(self) -> int:
@@ -109,6 +119,11 @@ class NodeView:
     alloc_failures: int = 0
     candidates: tuple[Candidate, ...] = ()
 
+    @property
+    def pending_prefill_units(self) -> int:
+        """Units the candidates' unfinished prompts will still take (their own trajectory)."""
+        return sum(c.pending_prefill_units for c in self.candidates)
+
 
 @dataclass(slots=True, frozen=True)
 class CostModel:
@@ -141,7 +156,7 @@ class PlannerConfig:
 
     required_run_units: int = 0
     run_margin: float = 0.25  # keep the largest run this much above the requirement
-    compacted_f_ext: float = 0.15  # F_ext expected right after a compaction
+    compacted_f_ext: float = 0.05  # F_ext expected right after a compaction
     moves_per_missing_unit: float = 0.25  # compaction moves per unit the largest run lacks
     min_units: int = 16  # do not bother evicting less than this
     alpha: float = ALPHA
@@ -205,19 +220,16 @@ SELECTORS: dict[Selection, Ranker] = {
 }
 
 
-def units_to_free(view: NodeView, strategy: Strategy, config: PlannerConfig,
-                  *, f_ext_after: float | None = None) -> int:
-    """Units of live KV to release so U_kv, Ψ and the forecast come back under target."""
-    f_ext = view.f_ext if f_ext_after is None else min(view.f_ext, f_ext_after)
+def units_to_free(view: NodeView, strategy: Strategy, config: PlannerConfig) -> int:
+    """Units of live KV to release so U_kv, Ψ and the predicted trajectory come back under target."""
     multiplier_now = 1.0 + config.alpha * view.f_ext + config.beta * view.f_int
-    base = view.psi / multiplier_now if multiplier_now > 0 else view.psi
-    multiplier_after = 1.0 + config.alpha * f_ext + config.beta * view.f_int
-    needs = [
-        view.u_kv - strategy.target_u_kv,
-        base - strategy.target_psi / multiplier_after,
-    ]
-    if strategy.use_prediction and view.u_kv_forecast:
-        needs.append(max(view.u_kv_forecast) - strategy.target_u_kv)
+    used = view.psi / multiplier_now if multiplier_now > 0 else view.psi
+    multiplier_after = 1.0 + config.alpha * min(view.f_ext, config.compacted_f_ext) + config.beta * view.f_int
+    needs = [view.u_kv - strategy.target_u_kv, used - strategy.target_psi / multiplier_after]
+    if strategy.use_prediction:
+        d = max(1, view.dynamic_units)
+        trajectory = [view.u_kv + view.pending_prefill_units / d, *view.u_kv_forecast]
+        needs.append(max(trajectory) - strategy.target_u_kv)
     need = max(needs)
     if need <= 0:
         return 0
@@ -262,11 +274,11 @@ def choose_victims(candidates: Iterable[Candidate], units_needed: int, strategy:
 
 
 def plan(view: NodeView, strategy: Strategy, config: PlannerConfig, cost: CostModel, *,
-         reason: str, exclude: frozenset[int] = frozenset()) -> Plan:
-    """The whole decision for one triggered node: compaction first, then eviction for the rest."""
+         reason: str, exclude: frozenset[int] = frozenset(), relieve: bool = True) -> Plan:
+    """The whole decision for one triggered node: compaction first, then eviction for the rest.
+    ``relieve=False``: only cure fragmentation and a shortfall of free space, no U_kv target."""
     moves = compaction_moves(view, strategy, config)
-    f_ext_after = config.compacted_f_ext if moves else None
-    need = units_to_free(view, strategy, config, f_ext_after=f_ext_after)
+    need = units_to_free(view, strategy, config) if relieve else 0
     notes: list[str] = []
     # free space too small in total for one full step: cached prefix pages (owned by nobody, they
     # cost only future prefix hits) go first, live pages cover the rest
@@ -286,7 +298,7 @@ def plan(view: NodeView, strategy: Strategy, config: PlannerConfig, cost: CostMo
                 reason=reason, priority_defaulted=defaulted, notes=tuple(notes))
 
 
-def view_from_tick(tick: Any, *, dynamic_units: int | None = None) -> NodeView:
+def view_from_tick(tick: Any, *, dynamic_units: int | None = None, unit_tokens: int = 4) -> NodeView:
     """Adapt a ``streams.metrics.Tick`` (or any object/mapping with its field names) to a view."""
     get = (lambda k, d=None: tick.get(k, d)) if isinstance(tick, dict) else (
         lambda k, d=None: getattr(tick, k, d))
@@ -314,11 +326,11 @@ def view_from_tick(tick: Any, *, dynamic_units: int | None = None) -> NodeView:
         ooms=int(get("ooms", 0) or 0),
         preemptions=int(get("preemptions", 0) or 0),
         alloc_failures=int(get("alloc_failures", 0) or 0),
-        candidates=tuple(candidate_from(c) for c in (get("candidates") or ())),
+        candidates=tuple(candidate_from(c, unit_tokens) for c in (get("candidates") or ())),
     )
 
 
-def candidate_from(obj: Any) -> Candidate:
+def candidate_from(obj: Any, unit_tokens: int = 4) -> Candidate:
     get = (lambda k, d=None: obj.get(k, d)) if isinstance(obj, dict) else (
         lambda k, d=None: getattr(obj, k, d))
     priority = get("priority")
@@ -334,4 +346,6 @@ def candidate_from(obj: Any) -> Candidate:
         last_ts_ns=int(get("last_ts_ns", 0)),
         shared_units=int(get("shared_units", 0) or 0),
         generated_tokens=int(generated or 0),
+        prompt_tokens=int(get("prompt_tokens", 0) or 0),
+        unit_tokens=unit_tokens,
     )

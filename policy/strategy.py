@@ -80,7 +80,8 @@ class Strategy:
 
     ``threshold`` is the trigger's level: U_kv/Ψ for hard and soft, F_ext for fragmentation.
     ``target_psi``/``target_u_kv`` are where the planner brings a node back to once triggered,
-    below the threshold so that one action buys headroom instead of firing again next tick.
+    below the threshold so that one action buys headroom instead of firing again next tick
+    (Ψ is judged at the fragmentation a compaction leaves, see ``policy.planner``).
     """
 
     granularity: Granularity = Granularity.BLOCK
@@ -89,12 +90,12 @@ class Strategy:
     handling: HandlingChoice = HandlingChoice.RECOMPUTE
     trigger: Trigger = Trigger.SOFT
     threshold: float = 0.85
-    use_prediction: bool = True
+    use_prediction: bool = True  # soft trigger: the threshold AND the prediction must agree
     p_oom_threshold: float = 0.5
     priority_tie_break: bool = True
     scan_interval_s: float = 30.0
     predictive_horizon_s: float = 150.0
-    target_psi: float = 0.80
+    target_psi: float = 1.0
     target_u_kv: float = 0.78
     fragmentation_threshold: float = 0.5  # F_ext above which compaction is considered at all
     max_victims: int = 8
@@ -147,7 +148,7 @@ EMERGENCY = Strategy(
     threshold=0.95,
     use_prediction=False,
     priority_tie_break=True,
-    target_psi=0.75,
+    target_psi=0.95,
     target_u_kv=0.72,
     name="emergency",
 )

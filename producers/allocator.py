@@ -11,6 +11,9 @@ Aligned requests (a page of c units at an offset that is a multiple of c) can sk
 long enough but misaligned; the scan only visits runs shorter than ``size + align - 1``, since any
 longer run always holds an aligned block.
 
+``fit="first"`` (lowest offset that fits) also keeps a sorted list of run starts and scans it:
+O(runs) per allocation, offered for comparison, not for the hot path.
+
 The allocator does not know what occupies the units: the pool keeps that.
 """
 
@@ -63,6 +66,11 @@ class FreeRunAllocator:
         k = self._k
         for key in self._keys:
             yield key // k, key % k
+
+    def largest_runs(self, n: int) -> list[tuple[int, int]]:
+        """(size, start) of the ``n`` longest free runs, longest first."""
+        k = self._k
+        return [divmod(key, k) for key in reversed(self._keys[-n:])] if n > 0 else []
 
     # ---- mutation ------------------------------------------------------------------------
     def reset(self) -> None:

@@ -19,6 +19,11 @@ steps run as one block (KV slots for the block are allocated at its start, as vL
 scheduling does), ending no later than the next arrival or the first request to finish. One STEP
 row then covers the block (size/tokens/aux are the block's totals).
 
+Decode tokens that fit the free room of a request's last page are counted by the engine and
+reported to the pool (one FILL) when the next page is needed: pages are allocated exactly when
+their first token needs them, the per-token Python work is O(1), and the pool's ``tokens_stored``
+lags by less than one small page per request.
+
 Events: the pool records the memory rows; the engine adds ARRIVE, ADMIT, FINISH, PREEMPT, OOM and
 STEP rows in order. Time only comes from the workload and the step-time model, never a clock.
 """
@@ -33,7 +38,7 @@ from enum import IntEnum
 import numpy as np
 
 from kvguard.events import EVENT_DTYPE, F_PRIORITY_DEFAULTED, EventKind, Handling, Outcome
-from producers.pool_types import EvictResult, PoolError, PoolExhausted
+from producers.pool_types import EvictResult, PageState, PoolError, PoolExhausted
 from producers.profiles import Profile
 from producers.workloads import HASH_BLOCK_TOKENS, Request, mix_hash
 
@@ -98,7 +103,8 @@ class _Seq:
     """Engine-side state of one request."""
 
     __slots__ = ("req", "rid", "priority", "arrival_ns", "prompt", "max_out", "generated", "kv_tokens",
-                 "target", "state", "first_token_ns", "last_step_ns", "retained", "hashes", "order")
+                 "target", "state", "first_token_ns", "last_step_ns", "retained", "hashes", "order", "room",
+                 "pending")
 
     def __init__(self, req: Request, priority: int, order: int):
         self.req = req
@@ -116,6 +122,8 @@ class _Seq:
         self.retained = False
         self.hashes = req.block_hashes
         self.order = order  # admission order: "newest" for preemption
+        self.room = 0  # free token slots left in the request's last page
+        self.pending = 0  # decode tokens written into that room, not yet reported to the pool
 
 
 class Engine:
@@ -132,6 +140,7 @@ class Engine:
         self.watermark_units = int(self.config.watermark_frac * geometry.dynamic_units)
         self.ws_reserve_units = profile.workspace_units(profile.max_batched_tokens)
         self.max_prompt = self.config.max_prompt_tokens or profile.max_model_len
+        self.small_page_tokens = geometry.page_classes[0] * geometry.unit_tokens
         self.now_ns = 0
         self.down_until_ns = 0
         self._arrivals: list[tuple[int, int, Request]] = []  # heap (arrival_ns, req_id, request)
@@ -141,6 +150,7 @@ class Engine:
         self._seqs: dict[int, _Seq] = {}
         self._order = 0
         self._stash: list[np.ndarray] = []
+        self._outstanding = 0
         self._events_total = 0
         # outcomes
         self.requests = 0
@@ -184,15 +194,12 @@ class Engine:
     def submit(self, request: Request) -> None:
         """Queue a request; it arrives at ``request.arrival_ns`` on the simulated clock."""
         heapq.heappush(self._arrivals, (request.arrival_ns, request.req_id, request))
+        self._outstanding += request.prompt_tokens + request.max_output_tokens
 
     def outstanding_tokens(self) -> int:
-        """Tokens still to process (prefill + decode) for everything queued here: the router's load."""
-        total = 0
-        for _, _, r in self._arrivals:
-            total += r.prompt_tokens + r.max_output_tokens
-        for s in self._seqs.values():
-            total += (s.target - min(s.kv_tokens, s.target)) + (s.max_out - s.generated)
-        return total
+        """Prompt + output tokens of every request submitted here and not yet finished: the
+        router's load measure (O(1), kept as requests come and go)."""
+        return self._outstanding
 
     def _arrive(self, until_ns: int) -> None:
         while self._arrivals and self._arrivals[0][0] <= until_ns:
@@ -213,6 +220,7 @@ class Engine:
                        tokens=r.prompt_tokens, aux=r.max_output_tokens)
             if r.prompt_tokens + 1 > self.max_prompt or self._units_for(r.prompt_tokens + 1) + self.ws_reserve_units > self.dynamic_units:
                 self.failed += 1
+                self._outstanding -= r.prompt_tokens + r.max_output_tokens
                 self._emit(arrival_ns, EventKind.FINISH, r.req_id, flags=int(Outcome.REJECTED))
                 continue
             self._seqs[r.req_id] = seq
@@ -260,7 +268,7 @@ class Engine:
         for s in decode:
             if s.state is not SeqState.RUNNING or self.down_until_ns > now:
                 continue  # preempted by an earlier allocation in this step, or crashed
-            if self._grow(s, 1, now):
+            if self._decode_tokens(s, 1, now):
                 scheduled_decode.append(s)
         budget -= len(scheduled_decode)
         chunks: list[tuple[_Seq, int]] = []
@@ -326,7 +334,7 @@ class Engine:
         for s in decode:
             if s.state is not SeqState.RUNNING or self.down_until_ns > now:
                 continue
-            if self._grow(s, k, now):
+            if self._decode_tokens(s, k, now):
                 grown.append(s)
         if self.now_ns != now:
             return True
@@ -371,6 +379,7 @@ class Engine:
             self.pool.release(s.rid, now, cache_prefix=True)
             s.state = SeqState.FINISHED
             self.completed += 1
+            self._outstanding -= s.prompt + s.req.max_output_tokens
             self.goodput_tokens += s.generated
             if s.generated > 1:
                 self._tpot_ns.append((now - s.first_token_ns) / (s.generated - 1))
@@ -391,10 +400,10 @@ class Engine:
         if s.retained:
             s.retained = False
             try:
-                if not self.pool.remap(s.rid, now):
-                    s.kv_tokens = 0
+                self.pool.remap(s.rid, now)
             except PoolError:
-                s.kv_tokens = 0
+                pass
+            self._resync_tokens(s, now)
         n = min(budget, s.target - s.kv_tokens)
         if self._free_count() - self.pool.units_needed(s.rid, n, s.hashes) < self.watermark_units + self.ws_reserve_units:
             return False
@@ -419,14 +428,26 @@ class Engine:
         per = HASH_BLOCK_TOKENS // block
         return tuple(mix_hash(h, j) for h in hashes for j in range(per))
 
+    def _decode_tokens(self, s: _Seq, n: int, now: int) -> bool:
+        """Decode tokens go into the room of the last page without a pool call; the pool hears of
+        them (one FILL) when the next page is needed, so pages are still allocated exactly when the
+        first token needs them and the per-token Python work stays O(1)."""
+        if s.room >= n:
+            s.room -= n
+            s.pending += n
+            s.kv_tokens += n
+            return True
+        return self._grow(s, n, now)
+
     def _grow(self, s: _Seq, n: int, now: int) -> bool:
         """Append ``n`` tokens of KV for ``s``, with vLLM's recovery; False if ``s`` was preempted
         (or the engine crashed) instead."""
         free = self._free_count()
         # n tokens never need more than ceil(n / unit) + 1 new units: skip the exact count when clear
-        need = self._units_for(n) + 1
+        n_pool = s.pending + n
+        need = self._units_for(n_pool) + 1
         if free - need < self.ws_reserve_units:
-            need = self.pool.units_needed(s.rid, n, s.hashes)
+            need = self.pool.units_needed(s.rid, n_pool, s.hashes)
         while need and self._free_count() - need < self.ws_reserve_units:
             victim = self._pick_victim()
             if victim is None:
@@ -435,15 +456,17 @@ class Engine:
             if victim is s:
                 return False
         try:
-            self.pool.grow(s.rid, n, now, s.hashes)
+            self.pool.grow(s.rid, n_pool, now, s.hashes)
         except PoolExhausted:
             self.pool.reclaim_cached(need, now)
             try:
-                self.pool.grow(s.rid, n, now, s.hashes)
+                self.pool.grow(s.rid, n_pool, now, s.hashes)
             except PoolExhausted as e:
                 self._crash(now, s.rid, e.requested_units, e.largest_free_run, "kv", e.free_units)
                 return False
         s.kv_tokens += n
+        s.pending = 0
+        s.room = -s.kv_tokens % self.small_page_tokens
         return True
 
     def _pick_victim(self) -> _Seq | None:
@@ -460,7 +483,7 @@ class Engine:
 
     def _requeue(self, s: _Seq, target: int) -> None:
         s.state = SeqState.WAITING
-        s.kv_tokens = 0
+        s.kv_tokens = s.pending = s.room = 0
         s.target = max(target, 1)
         self._running.remove(s)
         self._waiting.appendleft(s)
@@ -476,12 +499,13 @@ class Engine:
         for s in list(self._running) + list(self._swapped):
             s.state = SeqState.FINISHED
             self.failed += 1
+            self._outstanding -= s.prompt + s.req.max_output_tokens
             self._emit(now, EventKind.FINISH, s.rid, flags=int(Outcome.FAILED_OOM), tokens=s.generated)
             del self._seqs[s.rid]
         self._running = []
         self._swapped.clear()
         for s in self._waiting:  # pages of waiting requests (retained) are gone with the reset
-            s.kv_tokens, s.retained = 0, False
+            s.kv_tokens, s.retained, s.pending, s.room = 0, False, 0, 0
         self.pool.reset(now)
         self.down_until_ns = now + int(self.config.restart_s * NS)
         self.now_ns = now + 1
@@ -535,7 +559,6 @@ class Engine:
             if not sel:
                 return EvictResult(req=req, handling=handling)
         result = self.pool.evict(req, now_ns, pages=sel, handling=handling)
-        kept = max(0, s.kv_tokens - result.tokens) if sel is not None else 0
         self._running.remove(s)
         if handling in (Handling.SWAP, Handling.CHECKPOINT):
             s.state = SeqState.SWAPPED
@@ -544,9 +567,25 @@ class Engine:
             s.state = SeqState.WAITING
             s.retained = handling is Handling.RETAIN
             s.target = max(s.prompt + s.generated, 1)
-            s.kv_tokens = kept
+            if not s.retained:
+                self._resync_tokens(s, now_ns)
             self._waiting.appendleft(s)
         return result
+
+    def _resync_tokens(self, s: _Seq, now_ns: int) -> None:
+        """After an eviction: continue from the live pages when only the tail was lost; a request
+        missing pages in the middle recomputes from scratch (its KV must be contiguous in order)."""
+        s.pending = s.room = 0
+        if not self.pool.has_request(s.rid):
+            s.kv_tokens = 0
+            return
+        pages = self.pool.request_pages(s.rid)
+        if any(p.state != PageState.LIVE for p in pages):
+            self.pool.release(s.rid, now_ns, cache_prefix=True)
+            s.kv_tokens = 0
+        else:
+            s.kv_tokens = sum(p.tokens for p in pages)
+            s.room = -s.kv_tokens % self.small_page_tokens
 
     def compact(self, now_ns: int, max_moves: int) -> int:
         """Move up to ``max_moves`` pages to coalesce free runs; returns the units moved."""

@@ -32,8 +32,10 @@ dict when it is None), RETAIN keeps their units occupied as *retained* for ``ret
 Evicted entries stay in the request's page table as placeholders, so ``swap_in`` (swapped *and*
 checkpointed pages, SWAP_IN rows) and ``remap`` (retained pages, REMAP rows) restore them in place.
 A page another request still holds stays live; evicting it only drops this request's reference.
-``expire`` frees retained pages past their TTL (EXPIRE). ``migrate``/``compact`` move pages to
-coalesce free space (MIGRATE; state unchanged).
+``expire`` frees retained pages past their TTL (EXPIRE). ``migrate`` moves one page (live, cached
+or retained) into the best-fitting hole away from it when that leaves fewer free runs, or as many
+with a longer one (MIGRATE; state unchanged); ``compact`` grows the longest free runs by migrating
+the pages that border them, longest run first.
 
 Check, then act: every refusal (``PoolExhausted``, ``SwapFull``, ``UnknownRequest``,
 ``UnknownPage``, ``UnknownWorkspace``, ``CheckpointMissing``) leaves the pool as it was. A grow
@@ -51,7 +53,10 @@ Additions to the CONTRACTS.md API: ``block_tokens``; ``can_grow(..., block_hashe
 ``units_needed``; ``alloc_workspace(..., tokens=)``; ``record_failure=`` keywords;
 ``record_event`` (lifecycle rows from the engine: ARRIVE, ADMIT, FINISH, PREEMPT, OOM, STEP,
 ALLOC_FAIL, so one ordered stream per node); ``request_tokens``, ``request_units``,
-``has_request``, ``requests``; ``utilization_split``; ``swap_used_units``; ``page_at``.
+``has_request``, ``requests``; ``utilization_split``; ``swap_used_units``, ``live_units``,
+``cached_units``, ``retained_units``, ``workspace_units``, ``tokens_stored``, ``free_units``,
+``largest_free_run`` (cheap attributes for hot paths; ``metrics()`` computes the floats);
+``page_at``; ``compact(..., runs_per_move=)``.
 ``release`` of an unknown request returns 0 (idempotent); other request actions raise.
 A retained or swapped entry still in the table when its request is released is dropped then
 (retained units: EXPIRE rows). ``reset`` drops everything, swap and checkpoints included.
@@ -526,23 +531,25 @@ class PagedPool:
         self._emit(now_ns, _MIGRATE, page.cls, 0, who, offset, size, page.tokens, new_offset)
         return new_offset
 
-    def compact(self, now_ns: int, max_moves: int) -> int:
-        """Migrate up to ``max_moves`` pages bordering the smallest free runs. Returns units moved."""
+    def compact(self, now_ns: int, max_moves: int, *, runs_per_move: int = 32) -> int:
+        """Grow the longest free runs: migrate the pages bordering them (longest run first, up to
+        ``runs_per_move`` runs tried per move) into holes elsewhere, at most ``max_moves`` moves.
+        Returns the units moved."""
         moved = moves = 0
         while moves < max_moves:
-            progressed = False
-            for run_size, start in list(self._alloc.sizes_ascending()):
-                for page in (self._pages.get(start + run_size), self._page_end.get(start)):
-                    if page is not None and page.state != _FREED and self.migrate(page.offset, now_ns) is not None:
-                        moved += page.size
-                        moves += 1
-                        progressed = True
-                        break
-                if progressed:
-                    break
-            if not progressed:
+            page = self._compaction_move(now_ns, runs_per_move)
+            if page is None:
                 break
+            moved += page.size
+            moves += 1
         return moved
+
+    def _compaction_move(self, now_ns: int, runs_per_move: int) -> _Page | None:
+        for run_size, start in self._alloc.largest_runs(runs_per_move):
+            for page in (self._pages.get(start + run_size), self._page_end.get(start)):
+                if page is not None and self.migrate(page.offset, now_ns) is not None:
+                    return page
+        return None
 
     def reset(self, now_ns: int) -> None:
         """Every unit free again (the engine restarted after an OOM); swap and checkpoints dropped."""
@@ -676,8 +683,11 @@ class PagedPool:
     def _plan_for(self, req: int, n_tokens: int, block_hashes: Sequence) -> list:
         if n_tokens < 0:
             raise ValueError(f"n_tokens: expected >= 0, got {n_tokens}")
-        table = self._tables.get(req) or _Table()
-        if block_hashes:
+        table = self._tables.get(req)
+        if table is None:
+            table = _Table()
+            self._set_hashes(table, block_hashes)
+        elif block_hashes and block_hashes is not table.hashes:
             probe = _Table()
             probe.entries, probe.n_tokens = table.entries, table.n_tokens
             probe.hashes, probe.keys = table.hashes, list(table.keys)
@@ -712,6 +722,12 @@ class PagedPool:
     def _place_all(self, plan: list) -> list[int] | None:
         """Place every unshared page of ``plan`` (largest first, to pack better), or none of them."""
         classes = self.page_classes
+        if len(plan) == 1:  # the decode case: one page
+            if plan[0][3] is not None:
+                return [-1]
+            size = classes[plan[0][0]]
+            offset = self._alloc.alloc(size, size)
+            return None if offset is None else [offset]
         order = sorted((i for i, p in enumerate(plan) if p[3] is None), key=lambda i: -plan[i][0])
         offsets = [-1] * len(plan)
         done = []

@@ -156,10 +156,14 @@ class NodePublisher:
             return True
         futures = []
         ok = True
+        closed = False
         for entry_id, entry in window:
             try:
                 future = await self.bus.publish(self.topic, entry.node, entry.value, entry.headers)
-            except Exception as exc:  # send buffer full, producer closed: retry later
+            except BusClosed:
+                ok, closed = False, True
+                break
+            except Exception as exc:  # send buffer full, metadata timeout: retry later
                 log.warning("publishing to %s failed (%s); will retry", self.topic, exc)
                 self.counters.publish_failures += 1
                 ok = False
@@ -177,6 +181,8 @@ class NodePublisher:
                 self.counters.events_published += entry.events
         if not ok:
             self._enforce_bound()
+        if closed:
+            raise BusClosed(f"bus closed while publishing to {self.topic}")
         return ok
 
     async def flush(self, timeout_s: float | None = None) -> bool:
@@ -211,6 +217,15 @@ class NodePublisher:
         self._stopping = True
         self._have_data.set()
 
+    async def _try_start(self) -> bool:
+        """The bus is not started (the broker was down when the node came up): try again."""
+        try:
+            await self.bus.start()
+        except Exception as exc:
+            log.warning("bus start failed (%s); will retry", exc)
+            return False
+        return True
+
     async def _drain_loop(self) -> None:
         while not self._stopping:
             self.drain()
@@ -234,7 +249,7 @@ class NodePublisher:
             try:
                 ok = await self.send_pending()
             except BusClosed:
-                ok = False
+                ok = await self._try_start()
             if ok:
                 backoff = self.retry_backoff_s[0]
                 continue

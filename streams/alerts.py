@@ -2,7 +2,7 @@
 
 Pure (stdlib). Each rule is a condition on a ``Tick`` with a ``for`` duration (the condition must
 hold that long, in event time, before the alert fires) and a hysteresis (a firing alert resolves
-only after the condition has been clear for ``resolve_after_s``). An alert is emitted on each
+only after the condition has been clear for ``resolve_for_s``). An alert is emitted on each
 transition (firing, resolved), never repeated while the state holds. Its fingerprint depends only
 on node and rule, so consumers (Alertmanager, the policy) can deduplicate redeliveries.
 
@@ -19,22 +19,26 @@ from streams.metrics import NS_PER_S, Tick
 
 FIRING = "firing"
 RESOLVED = "resolved"
+TIER_NAMES = {1: "threshold", 2: "slope", 3: "lstm"}
 
 
 @dataclass(slots=True, frozen=True)
 class AlertThresholds:
-    """DESIGN §4 defaults; ``streams.core.StreamConfig`` carries one of these."""
+    """DESIGN §4 defaults; field names as in ``kvguard.settings.StreamsSettings`` (``p_oom`` is
+    ``predictor.threshold``). ``streams.core.StreamConfig`` carries one of these."""
 
-    u_kv_critical: float = 0.90
     u_kv_warning: float = 0.88
+    u_kv_critical: float = 0.90
     psi_critical: float = 0.95
+    threshold_for_s: float = 0.0
     slope_per_min: float = 0.05
-    slope_for_s: float = 30.0
-    oom_risk_u_kv: float = 0.88
-    oom_risk_f_ext: float = 0.5
-    oom_risk_for_s: float = 120.0
+    slope_for_s: float = 0.0
+    frag_u_kv: float = 0.88
+    frag_f_ext: float = 0.5
+    frag_for_s: float = 120.0
     p_oom: float = 0.5
-    resolve_after_s: float = 60.0
+    lstm_for_s: float = 0.0
+    resolve_for_s: float = 30.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,8 +48,9 @@ class Rule:
     severity: str
     condition: Callable[[Tick], bool]
     value: Callable[[Tick], float]
+    threshold: float
     for_s: float
-    resolve_after_s: float
+    resolve_for_s: float
     summary: str
 
 
@@ -63,6 +68,7 @@ class Alert:
     starts_at_ns: int
     ends_at_ns: int | None
     value: float
+    threshold: float = 0.0
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
 
@@ -71,7 +77,7 @@ class Alert:
             "fingerprint": self.fingerprint, "node": self.node, "rule": self.rule, "tier": self.tier,
             "severity": self.severity, "state": self.state, "ts_ns": self.ts_ns,
             "ts_s": self.ts_ns / NS_PER_S, "starts_at_ns": self.starts_at_ns,
-            "ends_at_ns": self.ends_at_ns, "value": self.value,
+            "ends_at_ns": self.ends_at_ns, "value": self.value, "threshold": self.threshold,
             "labels": dict(self.labels), "annotations": dict(self.annotations),
         }
 
@@ -82,37 +88,52 @@ class Alert:
             severity=d["severity"], state=d["state"], ts_ns=int(d["ts_ns"]),
             starts_at_ns=int(d["starts_at_ns"]),
             ends_at_ns=None if d.get("ends_at_ns") is None else int(d["ends_at_ns"]),
-            value=float(d["value"]), labels=dict(d.get("labels", {})),
+            value=float(d["value"]), threshold=float(d.get("threshold", 0.0)), labels=dict(d.get("labels", {})),
             annotations=dict(d.get("annotations", {})),
         )
+
+
+WIRE_SCHEMA = "1.0"
+
+
+def alert_record(alert: Alert) -> dict:
+    """The alert as a ``kvguard.alerts`` record (``kvguard.schemas.Alert`` plus the Alert fields)."""
+    d = alert.to_dict()
+    d.update({"schema": WIRE_SCHEMA, "name": alert.rule, "tier": TIER_NAMES[alert.tier], "tier_level": alert.tier,
+              "status": alert.state, "started_at_ns": alert.starts_at_ns,
+              "p_oom": alert.value if alert.tier == 3 else None,
+              "summary": alert.annotations.get("summary", "")})
+    return d
 
 
 def fingerprint(node: str, rule: str) -> str:
     return hashlib.sha256(f"{node}\x00{rule}".encode()).hexdigest()[:16]
 
 
+
+
+
 def default_rules(t: AlertThresholds = AlertThresholds(), *, with_predictor: bool = False) -> list[Rule]:
     """Tier 1 and 2 of DESIGN §4, plus the tier-3 rule on ``p_oom`` when a predictor runs."""
-    r = t.resolve_after_s
+    r = t.resolve_for_s
     rules = [
-        Rule("KVCacheUsageCritical", 1, "critical", lambda k: k.u_kv > t.u_kv_critical,
-             lambda k: k.u_kv, 0.0, r, f"KV cache usage above {t.u_kv_critical:.0%} of D"),
-        Rule("KVCacheUsageHigh", 1, "warning", lambda k: k.u_kv > t.u_kv_warning,
-             lambda k: k.u_kv, 0.0, r, f"KV cache usage above {t.u_kv_warning:.0%} of D"),
-        Rule("KVCachePressureCritical", 1, "critical", lambda k: k.psi >= t.psi_critical,
-             lambda k: k.psi, 0.0, r, f"pressure index Psi at or above {t.psi_critical}"),
+        Rule("KVCacheUsageCritical", 1, "critical", lambda k: k.u_kv > t.u_kv_critical, lambda k: k.u_kv,
+             t.u_kv_critical, t.threshold_for_s, r, f"KV cache usage above {t.u_kv_critical:.0%} of D"),
+        Rule("KVCacheUsageHigh", 1, "warning", lambda k: k.u_kv > t.u_kv_warning, lambda k: k.u_kv,
+             t.u_kv_warning, t.threshold_for_s, r, f"KV cache usage above {t.u_kv_warning:.0%} of D"),
+        Rule("KVCachePressureCritical", 1, "critical", lambda k: k.psi >= t.psi_critical, lambda k: k.psi,
+             t.psi_critical, t.threshold_for_s, r, f"pressure index Psi at or above {t.psi_critical}"),
         Rule("KVCacheUsageRising", 2, "warning", lambda k: k.slope_per_min > t.slope_per_min,
-             lambda k: k.slope_per_min, t.slope_for_s, r,
+             lambda k: k.slope_per_min, t.slope_per_min, t.slope_for_s, r,
              f"KV cache usage rising faster than {t.slope_per_min}/min"),
-        Rule("KVCacheOOMRisk", 2, "critical",
-             lambda k: k.u_kv > t.oom_risk_u_kv and k.f_ext > t.oom_risk_f_ext,
-             lambda k: k.f_ext, t.oom_risk_for_s, r,
-             f"KV usage above {t.oom_risk_u_kv:.0%} with external fragmentation above {t.oom_risk_f_ext}"),
+        Rule("KVCacheOOMRisk", 2, "critical", lambda k: k.u_kv > t.frag_u_kv and k.f_ext > t.frag_f_ext,
+             lambda k: k.f_ext, t.frag_f_ext, t.frag_for_s, r,
+             f"KV usage above {t.frag_u_kv:.0%} with external fragmentation above {t.frag_f_ext}"),
     ]
     if with_predictor:
         rules.append(Rule("KVCacheOOMPredicted", 3, "critical",
                           lambda k: k.p_oom is not None and k.p_oom >= t.p_oom,
-                          lambda k: -1.0 if k.p_oom is None else k.p_oom, 0.0, r,
+                          lambda k: -1.0 if k.p_oom is None else k.p_oom, t.p_oom, t.lstm_for_s, r,
                           f"predicted probability of OOM within 5 min at or above {t.p_oom}"))
     return rules
 
@@ -170,7 +191,7 @@ class AlertEvaluator:
             return None
         if st.clear_since is None:
             st.clear_since = now
-        if now - st.clear_since >= rule.resolve_after_s * NS_PER_S:
+        if now - st.clear_since >= rule.resolve_for_s * NS_PER_S:
             started = st.starts_at if st.starts_at is not None else now
             st.firing, st.clear_since, st.starts_at = False, None, None
             return self._alert(rule, tick, RESOLVED, started, now)
@@ -182,9 +203,9 @@ class AlertEvaluator:
         return Alert(
             fingerprint=fingerprint(tick.node, rule.name), node=tick.node, rule=rule.name,
             tier=rule.tier, severity=rule.severity, state=state, ts_ns=tick.ts_ns,
-            starts_at_ns=starts_at, ends_at_ns=ends_at, value=value,
+            starts_at_ns=starts_at, ends_at_ns=ends_at, value=value, threshold=rule.threshold,
             labels={"alertname": rule.name, "node": tick.node, "severity": rule.severity,
-                    "tier": str(rule.tier), "service": "kvguard"},
+                    "tier": TIER_NAMES[rule.tier], "service": "kvguard"},
             annotations={"summary": rule.summary,
                          "description": (f"{rule.name} {state} on {tick.node}: value {value:.4f}, "
                                          f"u_kv {tick.u_kv:.4f}, f_ext {tick.f_ext:.4f}, psi {tick.psi:.4f}")},

@@ -94,7 +94,7 @@ class ModelMetadata:
     traj_steps: int = 30
     hidden_size: int = 64
     num_layers: int = 2
-    u_kv_feature: str = "u_kv"
+    u_kv_feature: str = "u_kv"  # the trajectory head predicts U_kv(t+k) - U_kv(t) from this column
     format: str = MODEL_FORMAT
     version: str = ""
     created_by: str = ""
@@ -194,6 +194,8 @@ class LSTMPredictor:
             torch.set_num_threads(threads)
         self.net = net.eval()
         self.metadata = metadata
+        names = list(metadata.feature_names)
+        self._u_col = names.index(metadata.u_kv_feature) if metadata.u_kv_feature in names else 0
         self._states: dict[str, int] = {}
         self._h = torch.zeros(metadata.num_layers, 0, metadata.hidden_size)
         self._c = torch.zeros(metadata.num_layers, 0, metadata.hidden_size)
@@ -215,9 +217,9 @@ class LSTMPredictor:
     def threshold(self) -> float:
         return self.metadata.threshold
 
-    def _outputs(self, logits: torch.Tensor, traj: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    def _outputs(self, logits: torch.Tensor, delta: torch.Tensor, u_now: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         p = torch.sigmoid(logits).numpy().astype(np.float32)
-        return p, np.clip(traj.numpy(), 0.0, 1.0).astype(np.float32)
+        return p, np.clip(u_now[:, None] + delta.numpy(), 0.0, 1.0).astype(np.float32)
 
     def predict(self, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """windows [n, T, F] raw features, oldest first, left-padded by the caller (``streams.predictor.
@@ -230,7 +232,7 @@ class LSTMPredictor:
         x = torch.from_numpy(self.metadata.normalisation.apply(w[:, -self.window_ticks:]))
         with torch.inference_mode():
             logits, traj, _ = self.net(x)
-        return self._outputs(logits[:, -1], traj[:, -1])
+        return self._outputs(logits[:, -1], traj[:, -1], w[:, -1, self._u_col])
 
     def step(self, nodes: list[str], features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Advance each node's LSTM state by one tick of raw features [n, F]; returns like ``predict``.
@@ -258,7 +260,7 @@ class LSTMPredictor:
             self._h[:, idx] = h
             self._c[:, idx] = c
         self._ages[rows] += 1
-        return self._outputs(logits[:, -1], traj[:, -1])
+        return self._outputs(logits[:, -1], traj[:, -1], f[:, self._u_col])
 
     def _rows_for(self, nodes: list[str]) -> np.ndarray:
         new = [n for n in dict.fromkeys(nodes) if n not in self._states]
@@ -279,6 +281,14 @@ class LSTMPredictor:
             self._h[:, row] = 0.0
             self._c[:, row] = 0.0
             self._ages[row] = 0
+
+
+def with_model_threshold(config, predictor: "LSTMPredictor"):
+    """A ``streams.core.StreamConfig`` whose tier-3 rule fires at the model's calibrated threshold
+    (``AlertThresholds.p_oom``), which is what the held-out metrics in its metadata assume."""
+    from dataclasses import replace
+
+    return replace(config, thresholds=replace(config.thresholds, p_oom=float(predictor.threshold)))
 
 
 def describe(meta: ModelMetadata) -> dict:

@@ -37,7 +37,8 @@ class Tick:
     Levels (u_kv … free_units) are the state right before ``ts_ns``; counts and rates cover the
     interval. ``util_*`` split the device memory M (fractions of M; they sum to 1):
     weights+context, KV live, KV cached (cached + retained pages), workspace, free units of D,
-    and the headroom outside D (M·(1−u)). ``reserved_frac`` is the share of D Ψ treats as reserved.
+    and the headroom outside D (M·(1−u)). ``reserved_frac`` is the share of D Ψ treats as reserved
+    (``util_reserved`` the same as a fraction of M; it overlaps the free units, not in the sum).
     ``synced`` is False while the mirror may have missed events (values are best effort then).
     """
 
@@ -65,6 +66,7 @@ class Tick:
     util_workspace: float
     util_free: float
     util_headroom: float
+    util_reserved: float
     reserved_frac: float
     pages_per_request_p50: float
     pages_per_request_p95: float
@@ -104,6 +106,22 @@ class Tick:
         if values.get("u_kv_forecast") is not None:
             values["u_kv_forecast"] = [float(x) for x in values["u_kv_forecast"]]
         return cls(**values)
+
+
+WIRE_SCHEMA = "1.0"
+
+
+def tick_record(tick: Tick) -> dict:
+    """The tick as a ``kvguard.metrics`` record (``kvguard.schemas.MetricTick`` plus every Tick
+    field; readers ignore what they do not know). ``utilization`` splits device memory M."""
+    d = tick.to_dict()
+    d["schema"] = WIRE_SCHEMA
+    d["utilization"] = {
+        "weights": tick.util_weights, "kv_live": tick.util_kv_live, "kv_cached": tick.util_kv_cached,
+        "workspace": tick.util_workspace, "free": tick.util_free, "headroom": tick.util_headroom,
+        "reserved": tick.util_reserved,
+    }
+    return d
 
 
 def least_squares_slope(ts_ns: np.ndarray, values: np.ndarray) -> float:

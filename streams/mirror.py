@@ -39,6 +39,10 @@ from kvguard.events import (
 
 log = logging.getLogger(__name__)
 
+
+def _nonzero(mask: np.ndarray) -> np.ndarray:
+    return mask.nonzero()[0]
+
 # run_state codes: RegionState + 1, so that 0 means "no run starts here".
 STATE_FREE = 0
 STATE_LIVE = RegionState.LIVE + 1
@@ -79,6 +83,10 @@ _LIFE = _table({K.ARRIVE: LIFE_WAITING, K.ADMIT: LIFE_RUNNING, K.PREEMPT: LIFE_W
 _BARRIERS = _table({K.RESET: 1, K.MIGRATE: 1, K.SNAPSHOT: 1}, dtype=bool)
 
 DEFAULT_PRIORITY = 5
+# Plain ints for the hot path (an IntEnum attribute lookup costs a Python call).
+_ARRIVE, _SHARE, _FREE, _EVICT, _STEP = int(K.ARRIVE), int(K.SHARE), int(K.FREE), int(K.EVICT), int(K.STEP)
+_MIGRATE, _RESET, _SNAPSHOT = int(K.MIGRATE), int(K.RESET), int(K.SNAPSHOT)
+_RETAIN = int(Handling.RETAIN)
 
 
 class MirrorError(ValueError):
@@ -179,8 +187,8 @@ class AllocatorMirror:
         kind = events["kind"]
         if int(kind.max()) >= _N_KINDS:
             raise MirrorError(f"unknown event kind {int(kind.max())} in events")
-        barriers = np.flatnonzero(_BARRIERS[kind])
-        snapshot_rows = np.flatnonzero(kind == K.SNAPSHOT)
+        barriers = _nonzero(_BARRIERS[kind])
+        snapshot_rows = _nonzero(kind == _SNAPSHOT)
         last_snapshot = int(snapshot_rows[-1]) if snapshot_rows.size else -1
         start = 0
         for b in barriers.tolist():
@@ -188,9 +196,9 @@ class AllocatorMirror:
                 self._apply_plain(events[start:b])
             row = events[b]
             k = int(row["kind"])
-            if k == K.MIGRATE:
+            if k == _MIGRATE:
                 self._migrate(events[b:b + 1])
-            elif k == K.RESET:
+            elif k == _RESET:
                 self._reset()
             else:
                 self._check_snapshot(row, state if b == last_snapshot else None)
@@ -241,7 +249,7 @@ class AllocatorMirror:
         self.kind_counts += np.bincount(kind, minlength=_N_KINDS)
 
         delta = REF_DELTA[kind]
-        ref_rows = np.flatnonzero(delta)
+        ref_rows = _nonzero(delta)
         post = np.zeros(n, dtype=np.int64)
         if ref_rows.size:
             ref_off = off[ref_rows]
@@ -252,17 +260,17 @@ class AllocatorMirror:
 
         leaving = _LEAVING[kind]
         last_ref = leaving & (post <= 0)
-        revived = (kind == K.SHARE) & (post == 1)
+        revived = (kind == _SHARE) & (post == 1)
         tok_add = _TOKENS_ADD[kind].astype(bool) | revived
         self.tokens_stored += int(tokens[tok_add].sum()) - int(tokens[last_ref].sum())
 
         write = _STATE_WRITE[kind].copy()
         write[last_ref] = STATE_FREE
-        to_cache = last_ref & (kind == K.FREE) & ((ev["flags"] & F_TO_CACHE) != 0)
+        to_cache = last_ref & (kind == _FREE) & ((ev["flags"] & F_TO_CACHE) != 0)
         write[to_cache] = STATE_CACHED
-        retain = last_ref & (kind == K.EVICT) & (ev["flags"] == Handling.RETAIN)
+        retain = last_ref & (kind == _EVICT) & (ev["flags"] == _RETAIN)
         write[retain] = STATE_RETAINED
-        w = np.flatnonzero(write != _NO_WRITE)
+        w = _nonzero(write != _NO_WRITE)
         if w.size:
             w_off = off[w]
             if w_off.min() < 0 or w_off.max() >= self.units:
@@ -275,12 +283,12 @@ class AllocatorMirror:
             self.run_size[uniq] = np.where(new_state != STATE_FREE, size[last], 0)
 
         self._apply_requests(ev, kind, ref_rows, delta)
-        evict = kind == K.EVICT
+        evict = kind == _EVICT
         if evict.any():
             self.evicted_tokens_total += int(tokens[evict].sum())
             pairs = np.unique(np.stack([ev["req"][evict], ev["ts_ns"][evict]]), axis=1)
             self.evicted_requests_total += pairs.shape[1]
-        step = kind == K.STEP
+        step = kind == _STEP
         if step.any():
             self.step_tokens_total += int(size[step].sum())
             self.decode_tokens_total += int(tokens[step].sum())
@@ -294,7 +302,7 @@ class AllocatorMirror:
         new_group = np.empty(sorted_off.size, dtype=bool)
         new_group[0] = True
         np.not_equal(sorted_off[1:], sorted_off[:-1], out=new_group[1:])
-        starts = np.flatnonzero(new_group)
+        starts = _nonzero(new_group)
         group = np.cumsum(new_group) - 1
         base = self.refcount[sorted_off[starts]] - (cum[starts] - sorted_delta[starts])
         post_sorted = cum + base[group]
@@ -306,7 +314,7 @@ class AllocatorMirror:
 
     def _apply_requests(self, ev: np.ndarray, kind: np.ndarray, ref_rows: np.ndarray,
                         delta: np.ndarray) -> None:
-        rows = np.flatnonzero(_HAS_REQ[kind])
+        rows = _nonzero(_HAS_REQ[kind])
         if rows.size == 0:
             return
         reqs = ev["req"][rows]
@@ -318,12 +326,12 @@ class AllocatorMirror:
         row_slot[rows[::-1]] = slots[inverse]
 
         life = _LIFE[kind]
-        life_rows = np.flatnonzero(life >= 0)
+        life_rows = _nonzero(life >= 0)
         if life_rows.size:
             life_reqs = row_slot[life_rows]
             u, fr = np.unique(life_reqs[::-1], return_index=True)
             self._life[u] = life[life_rows[life_rows.size - 1 - fr]]
-            arrive = life_rows[kind[life_rows] == K.ARRIVE]
+            arrive = life_rows[kind[life_rows] == _ARRIVE]
             if arrive.size:
                 s = row_slot[arrive]
                 self._priority[s] = ev["cls"][arrive]
@@ -345,7 +353,7 @@ class AllocatorMirror:
         hit = ids[pos] == uniq if ids.size else np.zeros(uniq.size, dtype=bool)
         slots = np.empty(uniq.size, dtype=np.int64)
         slots[hit] = self._index_slots[pos[hit]]
-        missing = np.flatnonzero(~hit)
+        missing = _nonzero(~hit)
         if missing.size:
             slots[missing] = [self._slot(r) for r in uniq[missing].tolist()]
         return slots
@@ -431,7 +439,7 @@ class AllocatorMirror:
     # ------------------------------------------------------------------ queries
     def free_runs(self) -> tuple[np.ndarray, np.ndarray]:
         """Maximal free runs (offsets, sizes), sorted by offset."""
-        occ = np.flatnonzero(self.run_size)
+        occ = _nonzero(self.run_size)
         ends = occ + self.run_size[occ]
         gap_start = np.concatenate(([0], ends))
         gap_end = np.concatenate((occ, [self.units]))
@@ -442,7 +450,7 @@ class AllocatorMirror:
     def metrics(self) -> MirrorMetrics:
         if self._metrics_cache is not None:
             return self._metrics_cache
-        occ = np.flatnonzero(self.run_size)
+        occ = _nonzero(self.run_size)
         by_state = np.bincount(self.run_state[occ], weights=self.run_size[occ], minlength=5).astype(np.int64)
         _, free_sizes = self.free_runs()
         live, cached, retained, workspace = (int(by_state[s]) for s in
@@ -492,7 +500,7 @@ class AllocatorMirror:
         dead = (self._life[:self._n_slots] == LIFE_FINISHED) & (table.pages == 0)
         if not dead.any():
             return 0
-        keep = np.flatnonzero(~dead)
+        keep = _nonzero(~dead)
         remap = np.full(self._n_slots, -1, dtype=np.int64)
         remap[keep] = np.arange(keep.size)
         keys = self._refs
@@ -511,7 +519,7 @@ class AllocatorMirror:
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Everything needed to rebuild this mirror, as compact arrays (see ``from_state_arrays``)."""
         keys = self._fold_refs()
-        occ = np.flatnonzero(self.run_size)
+        occ = _nonzero(self.run_size)
         n = self._n_slots
         scalars = np.array([self.tokens_stored, int(self.synced), self.drift_count, self.resync_count,
                             self.unsynced_count, self.snapshot_checks, self.step_tokens_total,

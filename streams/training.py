@@ -31,8 +31,8 @@ from streams.lstm import LSTMPredictor, ModelMetadata, Normalisation, OOMNet
 
 @dataclass(slots=True)
 class TrainConfig:
-    epochs: int = 8
-    batch_size: int = 32
+    epochs: int = 20
+    batch_size: int = 16
     window_ticks: int = 180
     chunk_ticks: int = 240
     burn_in_ticks: int = 120
@@ -46,7 +46,7 @@ class TrainConfig:
     max_fpr: float = 0.05
     resolve_after_s: float = 60.0
     seed: int = 0
-    threads: int = 2
+    threads: int = 1
     score_mode: str = "window"  # how validation/test ticks are scored: "window" (180-tick) or "stateful"
 
 
@@ -76,11 +76,13 @@ def hysteresis(ts_ns: np.ndarray, p: np.ndarray, threshold: float, resolve_after
 
 
 def future_targets(u_kv: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
-    """(targets [L, steps], mask [L, steps]): U_kv at t+1..t+steps, masked past the sequence end."""
+    """(targets [L, steps], mask [L, steps]): U_kv(t+k) - U_kv(t) for k = 1..steps (the trajectory
+    head predicts the change from now), masked past the sequence end."""
     n = len(u_kv)
     idx = np.arange(n)[:, None] + np.arange(1, steps + 1)[None, :]
     mask = idx < n
-    targets = np.asarray(u_kv, np.float32)[np.minimum(idx, n - 1)] if n else np.zeros((0, steps), np.float32)
+    u = np.asarray(u_kv, np.float32)
+    targets = u[np.minimum(idx, n - 1)] - u[:, None] if n else np.zeros((0, steps), np.float32)
     return targets.astype(np.float32), mask
 
 
@@ -122,7 +124,7 @@ def pad_left(x: np.ndarray, n: int) -> np.ndarray:
 
 def _prepared(ds: TickDataset, seq_ids: list[int], norm: Normalisation, steps: int, window: int):
     """Per sequence, left-padded by window-1 rows: (x, labels, traj targets, traj mask, real-tick mask)."""
-    u_col = ds.feature_names.index("u_kv") if "u_kv" in ds.feature_names else 0
+    u_col = ds.feature_names.index("u_kv")
     pad = window - 1
     out = []
     for s in seq_ids:

@@ -6,7 +6,8 @@
   (no persistence, temp dir); stopped at session end.
 - ``topic_prefix`` (function): a unique prefix (``t<hex>.``) so tests never see each other's records.
 - ``kafka_settings`` (function): ``Settings`` pointing at ``kafka_bootstrap`` with ``topic_prefix``,
-  its six topics created (3 partitions each).
+  its six topics created (3 partitions each), and short consumer-group timeouts for Tansu
+  (``fast_group_options()``; use them too when you build Settings by hand for a private broker).
 - ``tansu_broker`` (function): a factory for private brokers a test may stop and restart:
   ``broker = tansu_broker(); broker.stop(); broker.start()`` (same port; created topics come back).
 - ``redis_server`` (function): a factory for private redis-servers with ``stop()``/``start()``.
@@ -23,6 +24,20 @@ from tests.rigs import RedisServer, TansuBroker
 from tests.rigs.tansu import create_topics_sync
 
 TEST_TOPIC_PARTITIONS = 3
+
+
+def fast_group_options() -> dict:
+    """Consumer-group timeouts for the private Tansu broker.
+
+    Tansu 0.6 answers JoinGroup only after about half the session timeout, and a member that left
+    is only forgotten when its session expires, so Kafka's usual 10 s session makes every
+    subscribe take ~5 s and a consumer restart ~15 s. A 1 s session keeps tests fast. A real Kafka
+    broker (``KAFKA_BOOTSTRAP``) refuses sessions under ``group.min.session.timeout.ms`` (6 s), so
+    then the defaults stay.
+    """
+    if os.environ.get("KAFKA_BOOTSTRAP"):
+        return {}
+    return {"session_timeout_ms": 1000, "heartbeat_interval_ms": 250}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -76,7 +91,7 @@ def kafka_settings(kafka_bootstrap, topic_prefix):
     from kvguard.settings import TOPIC_KINDS, Settings
 
     settings = Settings(
-        kafka={"bootstrap": kafka_bootstrap, "client_id": "kvguard-test"},
+        kafka={"bootstrap": kafka_bootstrap, "client_id": "kvguard-test", **fast_group_options()},
         topics={"prefix": topic_prefix, **{kind: {"partitions": TEST_TOPIC_PARTITIONS} for kind in TOPIC_KINDS}},
     )
     create_topics_sync(kafka_bootstrap, {name: spec.partitions for name, spec in settings.topics.all().items()})

@@ -92,6 +92,10 @@ class BusCounters:
 
 @runtime_checkable
 class Subscription(Protocol):
+    async def start(self) -> None:
+        """Join the group now (otherwise the first read does it)."""
+        ...
+
     def __aiter__(self) -> AsyncIterator[Record]: ...
 
     async def __anext__(self) -> Record: ...

@@ -230,6 +230,11 @@ class InprocSubscription:
         self._closed = False
         self._next_tp = 0
 
+    async def start(self) -> None:
+        """Joined already at subscribe(); kept for symmetry with the Kafka subscription."""
+        if self._closed:
+            raise BusClosed(f"subscription of group {self.group!r} is closed")
+
     @property
     def assignment(self) -> list[TopicPartition]:
         return sorted(self._positions)

@@ -105,6 +105,25 @@ async def create_topics(
         await admin.close()
 
 
+async def topic_partitions(config: KafkaSettings | Settings | str, names: Sequence[str]) -> dict[str, int]:
+    """Partition counts of existing topics (names that do not exist are left out).
+
+    Only existing names are described: Tansu 0.6 auto-creates a topic (with 4 partitions) when a
+    metadata request names an unknown one."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(**client_kwargs(_kafka_settings(config)))
+    await admin.start()
+    try:
+        existing = [name for name in names if name in set(await admin.list_topics())]
+        if not existing:
+            return {}
+        described = await admin.describe_topics(existing)
+        return {item["topic"]: len(item["partitions"]) for item in described if item["error_code"] == 0}
+    finally:
+        await admin.close()
+
+
 def _topic_errors(response) -> list[tuple[str, int, str | None]]:
     out = []
     for item in response.topic_errors:

@@ -68,7 +68,7 @@ def dataset_command(
         specs = resolve_specs(preset if spec_file is None else None, spec_file)
         ds = build_with_progress(specs, console, tick_s)
     except (DatasetError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     npz, manifest = ds.save(out)
     summary = dict(ds.summary(), files={"npz": str(npz), "manifest": str(manifest)})

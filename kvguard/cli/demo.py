@@ -1,1 +1,325 @@
-"""`kvguard demo`."""
+"""`kvguard demo`: the same workload twice on N simulated GPUs — the baseline engine, then
+kvguard's closed loop — with a live view, a comparison table and a report on disk.
+
+Embedded (the default) is one process and deterministic: per tick of simulated time the fleet
+advances, its event batches go through the stream core (ticks, alerts, P(OOM)), each tick
+through the policy (commands), each command through its node's actuator (verify, apply once,
+execute, ack), and only then the next tick. The in-process bus carries ticks, alerts, commands
+and acks with Kafka's topic/key/partition semantics. With ``--bus kafka://…`` the same parts run
+as concurrent services over the broker (and ``--redis`` puts the budget ledger in Redis).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from kvguard.cli.app import app
+
+DEMO_WORKLOAD = "mixed"
+DEMO_RATE_SCALE = 1.75
+DEMO_DURATION_S = 1800.0
+QUICK_DURATION_S = 600.0
+
+
+@dataclass(slots=True)
+class RunResult:
+    """One run's outcomes (the `kvguard simulate` summary fields) and its time series."""
+
+    label: str
+    summary: dict
+    series: dict[str, list[tuple]] = field(default_factory=dict)  # node -> (ts_s, u_kv, f_ext, psi, p_oom)
+    oom_times: dict[str, list[float]] = field(default_factory=dict)
+    actions: dict[str, Counter] = field(default_factory=dict)
+    wall_seconds: float = 0.0
+
+
+class LiveView:
+    """Per-GPU live table on stderr (U_kv, F_ext, Ψ, P(OOM), alerts, actions, OOMs)."""
+
+    def __init__(self, enabled: bool, nodes: list[str], title: str) -> None:
+        self.enabled = enabled
+        self.nodes = nodes
+        self.title = title
+        self.rows: dict[str, dict] = {n: {} for n in nodes}
+        self._live = None
+        self._last = 0.0
+
+    def __enter__(self) -> "LiveView":
+        if self.enabled:
+            from rich.console import Console
+            from rich.live import Live
+
+            self._live = Live(self._table(), console=Console(stderr=True), refresh_per_second=4, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._live is not None:
+            self._live.update(self._table())
+            self._live.__exit__(*exc)
+
+    def update(self, node: str, sim_s: float, **values: Any) -> None:
+        row = self.rows.setdefault(node, {})
+        row.update(values)
+        row["t"] = sim_s
+        now = time.monotonic()
+        if self._live is not None and now - self._last > 0.2:
+            self._last = now
+            self._live.update(self._table())
+
+    def _table(self):
+        from rich.table import Table
+
+        t = Table(title=self.title, expand=False)
+        for col in ("GPU", "sim t", "U_kv", "F_ext", "Ψ", "P(OOM)", "alerts", "actions", "OOMs", "preempt"):
+            t.add_column(col, justify="right" if col != "GPU" else "left")
+        for node in self.nodes:
+            r = self.rows.get(node, {})
+            psi = r.get("psi")
+            style = "red" if psi is not None and psi >= 0.95 else ("yellow" if psi is not None and psi >= 0.85 else "")
+            p = r.get("p_oom")
+            t.add_row(node, f"{r.get('t', 0):.0f}s", _fmt(r.get("u_kv")), _fmt(r.get("f_ext")), _fmt(psi),
+                      "-" if p is None else f"{p:.2f}", str(r.get("alerts", 0)), str(r.get("actions", 0)),
+                      str(r.get("ooms", 0)), str(r.get("preemptions", 0)), style=style)
+        return t
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def demo_workload(profile: Any, *, workload: str, rate_scale: float, duration_s: float, seed: int):
+    from producers.workloads import load_workload
+
+    # as `kvguard simulate` does: prompts that could never fit one GPU are capped, and said so
+    max_prompt = min(profile.max_model_len - 1024, int(profile.capacity_tokens * 0.6))
+    return load_workload(workload, rate_scale=rate_scale, window=duration_s, seed=seed, max_prompt_tokens=max_prompt)
+
+
+async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: float, seed: int, guarded: bool,
+                       view: LiveView | None = None, progress: Any = None) -> RunResult:
+    """One deterministic run; ``guarded`` closes the loop (policy + actuators)."""
+    from kvguard.bootstrap import make_ledger
+    from kvguard.bus.inproc import InprocBus
+    from kvguard.schemas import make_headers
+    from producers.engine import NS
+    from streams.alerts import alert_record
+
+    settings = graph.settings
+    topics = settings.topics
+    bus = InprocBus.from_settings(settings)
+    fleet = graph.fleet(n_gpus, seed=seed)
+    fleet.submit_workload(workload)
+    engines = {e.node: e for e in fleet.engines}
+    core = graph.stream_core()
+    service = graph.policy_service(bus=bus, ledger=make_ledger(settings)) if guarded else None
+    actuators = graph.actuators(fleet.engines) if guarded else {}
+    commands_sub = bus.subscribe([topics.name("commands")], "kvguard-actuators")
+    result = RunResult("guarded" if guarded else "baseline", {})
+    alerts_firing: dict[str, set[str]] = defaultdict(set)
+    actions: dict[str, Counter] = {n: Counter() for n in engines}
+    tick_ns = int(settings.streams.tick_s * NS)
+    end_ns = int(duration_s * NS)
+    wall0 = time.perf_counter()
+    t = 0
+    while t < end_ns:
+        t = min(t + tick_ns, end_ns)
+        fleet.advance(t)
+        ticks, alerts = core.process_many(fleet.take_batches(t))
+        more_ticks, more_alerts = core.flush(t)
+        ticks += more_ticks
+        alerts += more_alerts
+        for alert in alerts:
+            record = alert_record(alert)
+            bus.append(topics.name("alerts"), alert.node, json.dumps(record).encode(),
+                       make_headers("alerts", alert.node))
+            (alerts_firing[alert.node].add if alert.state == "firing" else alerts_firing[alert.node].discard)(alert.rule)
+        for tick in ticks:
+            bus.append(topics.name("metrics"), tick.node, json.dumps(tick.to_dict()).encode(),
+                       make_headers("metrics", tick.node))
+            result.series.setdefault(tick.node, []).append(
+                (tick.ts_ns / NS, tick.u_kv, tick.f_ext, tick.psi, tick.p_oom))
+            if tick.ooms:
+                result.oom_times.setdefault(tick.node, []).append(tick.ts_ns / NS)
+            if service is not None:
+                await service.publish(service.handle_tick(tick))
+        if actuators:
+            for record in await commands_sub.getmany(max_records=10_000, timeout_s=0):
+                node = record.key.decode()
+                ack = actuators[node].handle_record(record.value, engines[node].now_ns)
+                if ack is not None:
+                    actions[node][f"{ack.action}:{ack.outcome.value}"] += 1
+                    bus.append(topics.name("acks"), node, ack.to_bytes(), make_headers("acks", node))
+                await record.commit()
+        if view is not None:
+            for tick in ticks:
+                e = engines[tick.node]
+                view.update(tick.node, tick.ts_ns / NS, u_kv=tick.u_kv, f_ext=tick.f_ext, psi=tick.psi,
+                            p_oom=tick.p_oom, alerts=len(alerts_firing[tick.node]),
+                            actions=sum(v for k, v in actions[tick.node].items() if k.endswith(":executed")),
+                            ooms=e.ooms, preemptions=e.preemptions)
+        if progress is not None:
+            progress(t / NS, end_ns / NS)
+    await commands_sub.close()
+    result.wall_seconds = round(time.perf_counter() - wall0, 3)
+    result.actions = actions
+    result.summary = run_summary(fleet, result, service, actuators, graph)
+    return result
+
+
+def run_summary(fleet: Any, result: RunResult, service: Any, actuators: dict, graph: Any) -> dict:
+    out = fleet.summary().to_dict()
+    out["gpus"] = len(fleet.engines)
+    out["wall_seconds"] = result.wall_seconds
+    out["priority_defaulted"] = sum(e.priority_defaulted for e in fleet.engines)
+    total = Counter()
+    for c in result.actions.values():
+        total.update(c)
+    out["kvguard"] = None
+    if service is not None:
+        counters = {name: 0 for name in ("received", "executed", "noop", "failed", "duplicate",
+                                         "rejected_signature", "rejected_expired", "rejected_node",
+                                         "malformed", "units_freed", "units_moved")}
+        for a in actuators.values():
+            for k, v in a.counters.as_dict().items():
+                counters[k] += v
+        out["kvguard"] = {
+            "policy": service.engine.counters.as_dict(),
+            "actuators": counters,
+            "acks": dict(sorted(total.items())),
+            "mode_changes": [c.to_dict() for c in service.mode_changes],
+            "predictor": graph.predictor_note,
+        }
+    return out
+
+
+def compare(baseline: dict, guarded: dict) -> dict:
+    """The headline ratios of the closed loop against the baseline on the same workload."""
+
+    def reduction(key: str) -> float | None:
+        b, g = baseline.get(key) or 0, guarded.get(key) or 0
+        return None if b == 0 else round(1.0 - g / b, 4)
+
+    def ratio(key: str) -> float | None:
+        b, g = baseline.get(key), guarded.get(key)
+        return None if not b or g is None else round(g / b, 4)
+
+    return {"baseline": baseline, "guarded": guarded, "oom_reduction": reduction("ooms"),
+            "preemption_reduction": reduction("preemptions"), "goodput_ratio": ratio("goodput_tokens_per_s"),
+            "ttft_p99_ratio": ratio("ttft_p99_s")}
+
+
+def _print_comparison(result: dict, console) -> None:
+    from rich.table import Table
+
+    b, g = result["baseline"], result["guarded"]
+    t = Table(title="kvguard demo: baseline vs closed loop (same workload, same seed)")
+    t.add_column("metric")
+    t.add_column("baseline", justify="right")
+    t.add_column("kvguard", justify="right")
+    for key in ("requests", "completed", "failed", "ooms", "preemptions", "ttft_p50_s", "ttft_p99_s",
+                "tpot_p99_s", "goodput_tokens_per_s", "downtime_s"):
+        t.add_row(key, str(b.get(key)), str(g.get(key)))
+    console.print(t)
+    console.print(f"OOM reduction {_pct(result['oom_reduction'])} · preemption reduction "
+                  f"{_pct(result['preemption_reduction'])} · goodput ×{result['goodput_ratio']} · "
+                  f"TTFT p99 ×{result['ttft_p99_ratio']}")
+
+
+def _pct(x: float | None) -> str:
+    return "n/a (baseline had none)" if x is None else f"{x * 100:.0f}%"
+
+
+@app.command()
+def demo(
+    quick: bool = typer.Option(False, "--quick", help=f"A {QUICK_DURATION_S / 60:.0f}-minute workload instead of "
+                                                      f"{DEMO_DURATION_S / 60:.0f} (under two minutes here)."),
+    gpus: int = typer.Option(4, "--gpus", min=1, help="Simulated GPUs."),
+    workload: str = typer.Option(DEMO_WORKLOAD, "--workload", help="Scenario or trace (see kvguard simulate)."),
+    rate_scale: float = typer.Option(DEMO_RATE_SCALE, "--rate-scale", help="Arrival-rate multiplier."),
+    duration: str = typer.Option("", "--duration", help="Simulated duration (e.g. 30m); overrides --quick."),
+    profile: str = typer.Option(None, "--profile", help="Model/GPU profile (default: the profiles file's)."),
+    seed: int = typer.Option(0, "--seed"),
+    report: Path = typer.Option(Path("kvguard-report"), "--report", help="Directory for the report and plots."),
+    no_report: bool = typer.Option(False, "--no-report", help="Do not write the report."),
+    no_lstm: bool = typer.Option(False, "--no-lstm", help="Run without the LSTM tier."),
+    bus: str = typer.Option(None, "--bus", help="kafka://HOST:PORT runs the parts as services over Kafka."),
+    redis: str = typer.Option(None, "--redis", help="redis://… puts the budget ledger in Redis."),
+    config: Path = typer.Option(None, "--config", help="Settings file (TOML/JSON)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+) -> None:
+    """Run a stressing workload twice — baseline engine, then kvguard's closed loop — and compare."""
+    import logging
+
+    from rich.console import Console
+
+    from kvguard.bootstrap import bootstrap
+    from kvguard.cli.simulate import parse_duration
+    from kvguard.settings import ConfigError, Settings
+
+    logging.basicConfig(level=logging.ERROR)
+    console = Console(stderr=True)
+    duration_s = parse_duration(duration) if duration else (QUICK_DURATION_S if quick else DEMO_DURATION_S)
+    try:
+        settings = Settings.load(config)
+        graph = bootstrap(settings, profile=profile, predictor=None if no_lstm else "shipped")
+    except (ConfigError, ValueError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+    wl = demo_workload(graph.profile, workload=workload, rate_scale=rate_scale, duration_s=duration_s, seed=seed)
+    console.print(f"kvguard demo: {len(wl.requests)} requests ({workload} ×{rate_scale:g}, "
+                  f"{duration_s / 60:.0f} min) on {gpus} × {graph.profile.name}; {graph.predictor_note}")
+    live = not json_out and console.is_terminal
+    if bus and bus.startswith("kafka://"):
+        from kvguard.cli.demo_kafka import run_over_kafka
+
+        baseline, guarded = run_over_kafka(graph, wl, bus=bus, redis=redis, n_gpus=gpus, duration_s=duration_s,
+                                           seed=seed, console=console)
+    else:
+        if redis:
+            from kvguard.bootstrap import make_ledger
+
+            graph.ledger = make_ledger(settings, redis)
+        baseline = _run(graph, wl, gpus, duration_s, seed, False, live, console)
+        guarded = _run(graph, wl, gpus, duration_s, seed, True, live, console)
+    result = compare(baseline.summary, guarded.summary)
+    result["workload"] = {"name": workload, "rate_scale": rate_scale, "duration_s": duration_s, "seed": seed,
+                          "requests": len(wl.requests), "notes": wl.notes}
+    result["profile"] = graph.profile.name
+    result["mode"] = "kafka" if bus else "embedded"
+    if not no_report:
+        from kvguard.demo_report import write_report
+
+        path = write_report(report, result, baseline, guarded)
+        result["report"] = str(path)
+    if json_out:
+        sys.stdout.write(json.dumps(result, default=str) + "\n")
+    else:
+        _print_comparison(result, console)
+        if not no_report:
+            console.print(f"report: {result['report']}")
+
+
+def _run(graph, wl, gpus, duration_s, seed, guarded, live, console) -> RunResult:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    label = "kvguard closed loop" if guarded else "baseline engine"
+    nodes = [f"sim-0/gpu{i}" for i in range(gpus)]
+    with LiveView(live, nodes, label) as view:
+        if live:
+            return asyncio.run(run_embedded(graph, wl, n_gpus=gpus, duration_s=duration_s, seed=seed,
+                                            guarded=guarded, view=view))
+        with Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} sim s"),
+                      TimeElapsedColumn(), console=console, transient=True) as bar:
+            task = bar.add_task(label, total=duration_s)
+            return asyncio.run(run_embedded(graph, wl, n_gpus=gpus, duration_s=duration_s, seed=seed,
+                                            guarded=guarded, progress=lambda d, t: bar.update(task, completed=d)))

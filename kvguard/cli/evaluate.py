@@ -50,7 +50,7 @@ def eval_command(
     try:
         predictor = load_model(model, expected_features=list(FEATURE_NAMES))
     except ModelError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     meta = predictor.metadata
     traces: list[NodeTrace] = []
@@ -59,7 +59,7 @@ def eval_command(
         traces, runs_out, title = _offline(predictor, data, split, console)
     else:
         if not workload:
-            console.print("[red]error:[/red] give --workload (or --data)")
+            typer.echo("error: give --workload (or --data)", err=True)
             raise typer.Exit(2)
         specs = [RunSpec(w, rate_scale=r, profile=p, seed=s, duration_s=duration, n_gpus=gpus, split="test")
                  for w, r, p, s in itertools.product(workload, rate_scale, profile, seed)]
@@ -69,7 +69,7 @@ def eval_command(
                 try:
                     record = simulate_run(spec, tick_s=meta.tick_s, predictor=predictor)
                 except (DatasetError, ValueError, FileNotFoundError) as exc:
-                    console.print(f"[red]error:[/red] {spec.key()}: {exc}")
+                    typer.echo(f"error: {spec.key()}: {exc}", err=True)
                     raise typer.Exit(2)
                 run_traces = [NodeTrace(node=f"{spec.key()}:{s.node}", ts_ns=s.ts_ns, p_oom=s.p_oom, firing=s.firing,
                                         oom_ts_ns=s.oom_ts_ns, tick_s=meta.tick_s) for s in record.sequences]
@@ -114,11 +114,11 @@ def _offline(predictor, data: Path, split: str, console):
         ds = TickDataset.load(data)
         ids = ds.sequences_in(split)
     except DatasetError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     meta = predictor.metadata
     if list(ds.feature_names) != list(meta.feature_names):
-        console.print(f"[red]error:[/red] {data}: dataset features differ from the model's")
+        typer.echo(f"error: {data}: dataset features differ from the model's", err=True)
         raise typer.Exit(2)
     scores = score_dataset(predictor.net, ds, ids, meta.normalisation, meta.window_ticks)
     traces = traces_for(ds, ids, scores, meta.threshold, meta.resolve_after_s)

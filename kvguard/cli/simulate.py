@@ -12,7 +12,7 @@ import typer
 
 from kvguard.cli.app import app
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|m|s|ms)")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 _UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 
 
@@ -102,15 +102,17 @@ def _print_table(out: dict) -> None:
     from rich.table import Table
 
     console = Console()
+    if not console.is_terminal:
+        console.width = 120  # piped output: wide enough for the table
     wl = out["workload"]
     console.print(f"[bold]kvguard simulate[/] {wl['name']} x{out['rate_scale']:g} on {out['gpus']} GPU(s), "
                   f"profile {out['profile']}, seed {out['seed']}")
     for note in wl["notes"]:
         console.print(f"  [dim]{note}[/]")
     table = Table(show_header=True, header_style="bold")
-    for col in ("node", "requests", "completed", "failed", "OOMs", "preempt", "TTFT p99 s", "TPOT p50 s",
-                "goodput tok/s", "down s"):
-        table.add_column(col, justify="right" if col != "node" else "left")
+    table.add_column("node", no_wrap=True, min_width=10)
+    for col in ("req", "done", "failed", "OOM", "preempt", "TTFT p99", "TPOT p50", "goodput", "down s"):
+        table.add_column(col, justify="right", no_wrap=True)
 
     def row(name, d):
         fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
@@ -122,6 +124,7 @@ def _print_table(out: dict) -> None:
         row(d["node"], d)
     row("[bold]fleet[/]", out)
     console.print(table)
+    console.print("[dim]TTFT/TPOT in s, goodput in output tokens/s of completed requests[/]")
     console.print(f"{out['sim_seconds']:.0f} simulated s in {out['wall_seconds']:.1f} wall s "
                   f"({out['sim_speed_x']}x real time per GPU summed), {out['events']} events, "
                   f"{out['ooms_from_fragmentation']} of {out['ooms']} OOMs from fragmentation")

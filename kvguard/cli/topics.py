@@ -41,24 +41,35 @@ def create(
     """Create every kvguard topic with its configured partitions and retention (existing ones are fine)."""
     import asyncio
 
-    from kvguard.bus.kafka import create_topics
+    from kvguard.bus.kafka import create_topics, topic_partitions
 
     settings = _settings(config, bootstrap, prefix)
     specs = settings.topics.all()
+
+    async def provision() -> tuple[dict[str, str], dict[str, int]]:
+        result = await create_topics(settings, specs)
+        return result, await topic_partitions(settings, list(specs))
+
     try:
-        result = asyncio.run(create_topics(settings, specs))
+        result, actual = asyncio.run(provision())
     except Exception as exc:  # connection refused, auth failure, broker error: say which broker
         typer.echo(f"could not create topics on {settings.kafka.bootstrap}: {type(exc).__name__}: {exc}", err=True)
         raise typer.Exit(1) from None
+    for name, spec in specs.items():
+        if name in actual and actual[name] != spec.partitions:
+            typer.echo(f"warning: {name} exists with {actual[name]} partitions, configured {spec.partitions} "
+                       f"(partitions are not changed on existing topics)", err=True)
     if as_json:
         typer.echo(json.dumps({
             "bootstrap": settings.kafka.bootstrap,
             "topics": {name: {"status": result[name], "partitions": spec.partitions,
-                              "retention_ms": spec.retention_ms} for name, spec in specs.items()},
+                              "actual_partitions": actual.get(name), "retention_ms": spec.retention_ms}
+                       for name, spec in specs.items()},
         }))
         return
     for name, spec in specs.items():
-        typer.echo(f"{result[name]:8} {name}  partitions={spec.partitions} retention_ms={spec.retention_ms}")
+        typer.echo(f"{result[name]:8} {name}  partitions={actual.get(name, spec.partitions)} "
+                   f"retention_ms={spec.retention_ms}")
 
 
 @topics_app.command("list")

@@ -46,7 +46,7 @@ def train_command(
             if save_data is not None:
                 ds.save(save_data)
     except (DatasetError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     config = TrainConfig(seed=seed, threads=threads)
     if epochs is not None:

@@ -129,3 +129,39 @@ async def test_topic_creation_is_idempotent(kafka_settings):
     result = await create_topics(kafka_settings)
     assert set(result) == set(kafka_settings.topics.all())
     assert set(result.values()) == {"exists"}
+
+
+def test_topics_create_command_provisions_every_topic_idempotently(kafka_bootstrap, topic_prefix):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvguard.cli import app
+
+    runner = CliRunner()
+    args = ["topics", "create", "--bootstrap", kafka_bootstrap, "--prefix", topic_prefix, "--json"]
+    first = runner.invoke(app, args, env={"KVGUARD_TOPICS__EVENTS__PARTITIONS": "4"})
+    assert first.exit_code == 0, first.output
+    report = json.loads(first.stdout)
+    assert report["bootstrap"] == kafka_bootstrap
+    assert {name: t["status"] for name, t in report["topics"].items()} == {
+        f"{topic_prefix}{kind}": "created" for kind in ("events", "metrics", "alerts", "commands", "acks", "dlq")
+    }
+    assert report["topics"][f"{topic_prefix}events"]["partitions"] == 4
+    assert report["topics"][f"{topic_prefix}events"]["actual_partitions"] == 4
+    again = runner.invoke(app, args)  # the events topic now differs from the default 12: a warning
+    assert again.exit_code == 0, again.output
+    assert {t["status"] for t in json.loads(again.stdout)["topics"].values()} == {"exists"}
+    assert f"{topic_prefix}events exists with 4 partitions, configured 12" in again.stderr
+
+
+def test_topics_create_names_the_unreachable_broker():
+    from typer.testing import CliRunner
+
+    from kvguard.cli import app
+    from tests.rigs import free_port
+
+    bootstrap = f"127.0.0.1:{free_port()}"
+    result = CliRunner().invoke(app, ["topics", "create", "--bootstrap", bootstrap])
+    assert result.exit_code == 1
+    assert bootstrap in result.output

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import ctypes
+import signal
 import socket
 import subprocess
+import sys
 import time
+
+
+def _die_with_parent() -> None:
+    # PR_SET_PDEATHSIG: the server gets SIGTERM when the process (thread) that started it dies,
+    # so a killed test run leaves no broker or redis-server behind
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
+# the preexec_fn for rig servers (Linux only; elsewhere atexit is the only cleanup)
+DIE_WITH_PARENT = _die_with_parent if sys.platform.startswith("linux") else None
 
 
 def free_port() -> int:

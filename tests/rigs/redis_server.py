@@ -5,12 +5,13 @@ Never the machine's shared 127.0.0.1:6379.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
 import tempfile
 
-from tests.rigs.net import free_port, port_open, stop_process, wait_for_port
+from tests.rigs.net import DIE_WITH_PARENT, free_port, port_open, stop_process, wait_for_port
 
 
 class RedisServer:
@@ -44,7 +45,8 @@ class RedisServer:
         if self.password:
             args += ["--requirepass", self.password]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                                        stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=DIE_WITH_PARENT)
+        atexit.register(stop_process, self.process)  # no orphan when the run is interrupted
         wait_for_port(self.port, timeout_s=timeout_s, process=self.process, what="redis-server",
                       log_path=self.log_path)
         return self

@@ -1,19 +1,29 @@
 """A private Tansu broker (Kafka wire protocol) for tests and benchmarks.
 
-Tansu 0.6 quirks this rig works around: no topic auto-creation (topics are created explicitly, and
-re-created after a restart because the ``memory://`` storage forgets everything when the process
-stops), no transactions.
+Tansu 0.6 quirks (found with aiokafka 0.14):
+- ``memory://`` storage forgets everything (topics, records, committed offsets) when the process
+  stops, so ``start()`` re-creates the topics created through this rig;
+- CreateTopics works, but a Metadata request naming an unknown topic (a producer's first send,
+  ``describe_topics``) silently auto-creates it with 4 partitions: create topics first, or a test
+  runs against a partition count nobody configured;
+- JoinGroup completes only after about half the session timeout, and LeaveGroup is not honoured
+  (a restarted member waits for the old session to expire): tests use a 1 s session
+  (``tests.conftest.fast_group_options``);
+- InitProducerId fails (UnknownError), so the idempotent producer (and transactions) do not work;
+- gzip works; lz4/zstd/snappy need their Python libraries (not installed here).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import atexit
 import os
 import subprocess
 import tempfile
 from collections.abc import Mapping
 
-from tests.rigs.net import free_port, port_open, stop_process, wait_for_port
+from tests.rigs.net import DIE_WITH_PARENT, free_port, port_open, stop_process, wait_for_port
 
 
 def tansu_binary() -> str:
@@ -61,9 +71,10 @@ class TansuBroker:
         self.process = subprocess.Popen(
             [self.binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
              "--storage-engine", "memory://tansu/", "--cluster-id", "kvguard-test"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=DIE_WITH_PARENT,
         )
         log.close()
+        atexit.register(stop_process, self.process)  # no orphan when the run is interrupted
         wait_for_port(self.port, timeout_s=timeout_s, process=self.process, what="Tansu broker",
                       log_path=self.log_path)
         self.starts += 1
@@ -97,4 +108,15 @@ def create_topics_sync(bootstrap: str, partitions: Mapping[str, int], retention_
 
     specs = {name: TopicSpec(name=name, partitions=n, **({"retention_ms": retention_ms} if retention_ms else {}))
              for name, n in partitions.items()}
-    return asyncio.run(create_topics(bootstrap, specs))
+    return run_blocking(create_topics(bootstrap, specs))
+
+
+def run_blocking(coroutine):
+    """Run a coroutine to completion from sync code, even inside a running loop (an async test
+    stopping/starting the rig): then it runs on a fresh loop in a helper thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()

@@ -24,7 +24,7 @@ def run(ticks, **kw):
 def test_threshold_tiers_fire_immediately_and_resolve_after_the_clear_period():
     seq = [tick(0, u_kv=0.5), tick(10, u_kv=0.89), tick(20, u_kv=0.91), tick(30, u_kv=0.5),
            tick(40, u_kv=0.91), tick(50, u_kv=0.5), tick(80, u_kv=0.5), tick(110, u_kv=0.5)]
-    out = run(seq)
+    out = run(seq, thresholds={"resolve_for_s": 60})
     assert out == [(10, "KVCacheUsageHigh", FIRING), (20, "KVCacheUsageCritical", FIRING),
                    (110, "KVCacheUsageCritical", RESOLVED), (110, "KVCacheUsageHigh", RESOLVED)]
 
@@ -51,7 +51,7 @@ def test_unsynced_ticks_do_not_move_rule_state():
 def test_predictor_rule_only_with_a_predictor_and_uses_p_oom():
     seq = [tick(0, p_oom=0.2), tick(10, p_oom=0.7), tick(20, p_oom=0.1), tick(90, p_oom=0.1)]
     assert run(seq) == []
-    assert run(seq, with_predictor=True) == [(10, "KVCacheOOMPredicted", FIRING),
+    assert run(seq, with_predictor=True, thresholds={"resolve_for_s": 60}) == [(10, "KVCacheOOMPredicted", FIRING),
                                              (90, "KVCacheOOMPredicted", RESOLVED)]
 
 
@@ -62,7 +62,7 @@ def test_alert_records_are_ready_for_alertmanager_and_fingerprints_are_stable():
         AlertEvaluator(default_rules()).evaluate(tick(5, psi=0.99, node="h/gpu3"))[0].fingerprint
     assert a.fingerprint != fingerprint("h/gpu4", "KVCachePressureCritical")
     assert a.labels == {"alertname": "KVCachePressureCritical", "node": "h/gpu3", "severity": "critical",
-                        "tier": "1", "service": "kvguard"}
+                        "tier": "threshold", "service": "kvguard"}
     assert "0.97" in a.annotations["description"] and a.starts_at_ns == 0 and a.ends_at_ns is None
     assert type(a).from_dict(a.to_dict()) == a
 

@@ -158,3 +158,38 @@ def test_empty_pool_checksum_matches_contract_function():
     assert mirror.checksum() == free_runs_checksum(np.array([0]), np.array([16]))
     m = mirror.metrics()
     assert m.free_units == 16 and m.f_ext == 0.0 and m.u_kv == 0.0
+
+
+def test_mirror_equals_the_shadow_engine_pool_after_every_batch_and_at_ticks():
+    """Real engine logs (producers.fleet): U_kv, F_ext, F_int, Ψ equal the pool's own exact values."""
+    from producers.fleet import Fleet
+    from producers.profiles import load_profile
+    from producers.workloads import load_workload
+    from streams.core import StreamCore
+
+    ns = 1_000_000_000
+    profile = load_profile()
+    fleet = Fleet(2, profile, seed=3, snapshot_every_s=30)
+    fleet.submit_workload(load_workload("mixed", rate_scale=4.0, window=240, seed=3))
+    core = StreamCore()
+    compared_ticks = 0
+    last_capture: dict[str, tuple[int, object]] = {}
+    for now in range(ns, 240 * ns + 1, ns):
+        fleet.advance(now)
+        pools = {e.node: e.pool for e in fleet.engines}
+        for batch in fleet.take_batches(now):
+            expected = pools[batch.node].metrics()
+            ticks, _ = core.process(batch)
+            mirror = core.nodes[batch.node].mirror
+            got = mirror.metrics()
+            for name in EXACT + ("u_kv", "f_ext", "f_int", "psi"):
+                assert getattr(got, name) == getattr(expected, name), (batch.node, batch.seq, name)
+            for t in ticks:  # the capture before this batch holds the state at t when no event passed t
+                prev_max_ts, prev = last_capture.get(batch.node, (None, None))
+                if prev is not None and prev_max_ts < t.ts_ns and int(batch.events["ts_ns"][0]) >= t.ts_ns:
+                    assert (t.u_kv, t.f_ext, t.f_int, t.psi) == (prev.u_kv, prev.f_ext, prev.f_int, prev.psi)
+                    compared_ticks += 1
+            last_capture[batch.node] = (int(batch.events["ts_ns"].max()), expected)
+    assert compared_ticks >= 10
+    assert all(st.mirror.drift_count == 0 and st.mirror.snapshot_checks >= 7 for st in core.nodes.values())
+    assert fleet.summary().preemptions > 0

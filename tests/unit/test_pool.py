@@ -359,6 +359,29 @@ def test_retained_pages_stay_occupied_and_remap_makes_them_live_again():
     assert m.live_units == 17 and m.retained_units == 0 and pool.request_tokens(1) == 68
 
 
+def test_remap_shares_back_a_page_another_request_kept_live():
+    pool = make_pool()
+    pool.grow(1, 64, 0, block_hashes=[4])
+    pool.grow(2, 64, 0, block_hashes=[4])
+    res = pool.evict(1, 1, handling=Handling.RETAIN)
+    assert res.shared_pages == 1 and res.units_retained == 0
+    pool.take_events()
+    assert pool.remap(1, 2)
+    assert pool.request_pages(1)[0].refcount == 2 and kinds(pool.take_events()) == ["SHARE"]
+
+
+def test_same_operations_give_identical_events():
+    def run():
+        pool = make_pool()
+        for r in range(6):
+            pool.grow(r, 20 + 13 * r, r, block_hashes=[1, 2] if r % 2 else [])
+        pool.release(2, 9)
+        pool.evict(3, 10, pages=1, handling=Handling.RETAIN)
+        pool.compact(11, 4)
+        return pool.take_events()
+    assert run().tobytes() == run().tobytes()
+
+
 def test_retained_pages_expire_after_the_ttl():
     pool = make_pool(retain_ttl_ns=100)
     pool.grow(1, 68, 0)
@@ -368,6 +391,16 @@ def test_retained_pages_expire_after_the_ttl():
     assert pool.metrics().free_units == 256
     assert not pool.remap(1, 111)  # lost: the request has nothing left
     assert not pool.has_request(1)
+
+
+def test_a_page_retained_again_after_remap_keeps_its_new_deadline():
+    pool = make_pool(retain_ttl_ns=100)
+    pool.grow(1, 64, 0)
+    pool.evict(1, 10, handling=Handling.RETAIN)  # deadline 110
+    assert pool.remap(1, 20)
+    pool.evict(1, 50, handling=Handling.RETAIN)  # deadline 150
+    assert pool.expire(120) == 0 and pool.metrics().retained_units == 16
+    assert pool.expire(150) == 16
 
 
 def test_releasing_a_request_drops_its_retained_pages():
@@ -425,6 +458,53 @@ def test_compact_reduces_fragmentation_without_changing_contents():
     m = pool.metrics()
     assert moved > 0 and m.f_ext < 0.5 and m.tokens_stored == tokens_before
     assert all(pool.request_tokens(r) == 4 for r in range(1, 64, 2))
+
+
+def test_compact_grows_the_longest_free_run():
+    pool = make_pool(units=64)
+    for r in range(48):
+        pool.grow(r, 4, 0)  # units 0..47 one page each, free run [48, 64)
+    for r in range(0, 32, 2):
+        pool.release(r, 1)  # 16 one-unit holes below
+    before = pool.metrics()
+    pool.compact(2, max_moves=16)
+    after = pool.metrics()
+    assert before.largest_free_run == 16 and after.largest_free_run == 32 and after.n_free_runs == 1
+
+
+# ---------------------------------------------------------------- queries
+def test_utilization_split_accounts_for_every_byte_of_the_dynamic_region():
+    pool = make_pool()
+    pool.grow(1, 64, 0, block_hashes=[1])
+    pool.release(1, 1)
+    pool.grow(2, 8, 1)
+    pool.alloc_workspace(5, 1)
+    u = pool.utilization_split()
+    unit_bytes = pool.geometry.unit_bytes
+    assert (u.kv_cached_bytes, u.kv_live_bytes, u.workspace_bytes) == (16 * unit_bytes, 2 * unit_bytes, 5 * unit_bytes)
+    assert u.kv_live_bytes + u.kv_cached_bytes + u.kv_retained_bytes + u.workspace_bytes + u.free_bytes == \
+        256 * unit_bytes
+
+
+def test_free_run_histogram_counts_runs_per_power_of_two_bucket():
+    pool = make_pool(units=64)
+    for r in range(10):
+        pool.grow(r, 4, 0)
+    pool.release(1, 1)  # 1-unit hole
+    pool.release(3, 1)
+    pool.release(4, 1)  # 2-unit hole
+    assert pool.free_run_histogram() == {1: 1, 2: 1, 32: 1}  # and [10, 64): 54 units
+
+
+def test_first_fit_pool_places_pages_in_the_lowest_hole():
+    pool = make_pool(units=64, fit="first")
+    for r in range(10):
+        pool.grow(r, 4, 0)
+    pool.release(2, 1)
+    pool.release(5, 1)
+    pool.release(6, 1)
+    pool.grow(20, 4, 2)
+    assert pool.request_pages(20)[0].offset == 2
 
 
 # ---------------------------------------------------------------- reset, snapshot, events

@@ -73,8 +73,20 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(req=REQS, cache_prefix=st.booleans())
     def release(self, req, cache_prefix):
-        self.pool.release(req, self.tick(), cache_prefix=cache_prefix)
+        table = self.pool._tables.get(req)
+        pages = [e for e in table.entries if type(e).__name__ == "_Page"] if table else []
+        users_before = [len(p.holders) for p in pages]
+        registered = [p.registered for p in pages]
+        freed = self.pool.release(req, self.tick(), cache_prefix=cache_prefix)
         self.chain_of.pop(req, None)
+        for page, users, was_registered in zip(pages, users_before, registered):
+            if users > 1:  # others still use it: stays live, one reference fewer
+                assert page.state == PageState.LIVE and len(page.holders) == users - 1 and req not in page.holders
+            elif cache_prefix and was_registered:
+                assert page.state == PageState.CACHED
+            else:
+                assert page.state == PageState.FREED
+        assert freed >= sum(p.size for p in pages if p.state == PageState.FREED)
 
     @rule(req=REQS, handling=HANDLINGS, how=st.sampled_from(["all", "tail", "offsets"]), data=st.data())
     def evict(self, req, handling, how, data):

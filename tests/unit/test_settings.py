@@ -76,3 +76,12 @@ def test_unreadable_or_broken_file(tmp_path):
     broken.write_text("[kafka\n")
     with pytest.raises(ConfigError, match="not valid"):
         Settings.load(broken, env={})
+
+
+def test_the_deploy_config_file_is_valid():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "deploy" / "kvguard.toml"
+    s = Settings.load(path, env={})
+    assert s.kafka.bootstrap == "kafka:9092"
+    assert s.topics.events.partitions == 12

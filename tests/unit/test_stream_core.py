@@ -204,3 +204,63 @@ def test_tick_dict_round_trip():
     ticks, _ = StreamCore().process(EventBatch("n", 0, pool.events(), geometry=pool.g))
     t = ticks[-1]
     assert Tick.from_dict(t.to_dict()) == t
+
+
+def test_process_many_merges_contiguous_batches_without_changing_ticks():
+    pools = {f"n{i}": drive(seed=10 + i, seconds=120)[0] for i in range(3)}
+    per_node = {n: batches_of(p.events(), n, p.g, list(range(13, len(p.rows), 13))) for n, p in pools.items()}
+    interleaved = [b for group in zip(*per_node.values()) for b in group]
+    one_by_one = StreamCore()
+    expected = [t.to_dict() for b in interleaved for t in one_by_one.process(b)[0]]
+    merged = StreamCore()
+    got = []
+    for i in range(0, len(interleaved), 10):
+        got += [t.to_dict() for t in merged.process_many(interleaved[i:i + 10])[0]]
+    key = lambda d: (d["node"], d["ts_ns"])
+    assert sorted(got, key=key) == sorted(expected, key=key) and len(got) > 30
+
+
+def test_config_maps_from_settings():
+    from kvguard.settings import Settings
+
+    settings = Settings.load(env={"KVGUARD_STREAMS__TICK_S": "5", "KVGUARD_STREAMS__FRAG_FOR_S": "60",
+                                  "KVGUARD_PREDICTOR__THRESHOLD": "0.4"})
+    config = StreamConfig.from_settings(settings.streams, settings.predictor)
+    assert config.tick_s == 5 and config.thresholds.frag_for_s == 60 and config.thresholds.p_oom == 0.4
+    assert config.reserved_frac == settings.streams.reserved_frac
+
+
+def test_metrics_cli_prints_tick_and_alert_lines_for_an_event_log(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvguard.cli import app
+    from kvguard.eventlog import write_event_log
+
+    pool, expected = drive(seed=12, seconds=90)
+    r = pool.arrive()  # then fill the pool for a minute so the threshold tiers fire
+    pool.requests[r]["running"] = True
+    pool.emit(K.ADMIT, req=r)
+    pool.emit(K.RESET)
+    for i in range(pool.D):
+        pool.now += 30_000_000
+        pool.emit(K.ALLOC, req=r, offset=i, size=1, tokens=4)
+    pool.now += 25 * NS
+    pool.emit(K.STEP, size=1)
+    path = tmp_path / "log.jsonl.gz"
+    write_event_log(path, batches_of(pool.events(), "n0", pool.g, list(range(100, len(pool.rows), 100))), {})
+    result = CliRunner().invoke(app, ["metrics", "--events", str(path), "--alerts", "--json"])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    ticks = [d for d in lines if d["type"] == "tick"]
+    alerts = [d for d in lines if d["type"] == "alert"]
+    assert [t["ts_s"] for t in ticks][:9] == [float(s) for s in range(10, 100, 10)]
+    for t in ticks[:8]:
+        want = expected[t["ts_ns"]]
+        assert (t["u_kv"], t["f_ext"], t["f_int"], t["psi"]) == (want["u_kv"], want["f_ext"], want["f_int"], want["psi"])
+        assert {"node", "slope_per_min", "synced"} <= set(t) and "candidates" not in t
+    assert {"KVCacheUsageCritical", "KVCacheUsageHigh", "KVCachePressureCritical"} <= {a["name"] for a in alerts}
+    bad = CliRunner().invoke(app, ["metrics", "--events", str(tmp_path / "missing.gz"), "--json"])
+    assert bad.exit_code == 2 and "no such file" in bad.output
+    assert CliRunner().invoke(app, ["metrics", "--events", str(path), "--tick", "soon"]).exit_code == 2

@@ -1,0 +1,206 @@
+"""The node actuator: verify each command, apply it at most once, execute it, ack it.
+
+Checks, in order, each counted and acked with its reason (never an exception, never a retry loop):
+
+1. addressed to this node (``rejected_node``);
+2. HMAC signature with the shared secret (``rejected_signature``): a forged or altered command
+   is never executed;
+3. not applied before (``duplicate``): the id is looked up in the applied-id journal;
+4. not expired (``rejected_expired``): ``now > issued_at + ttl`` on the node's clock.
+
+Delivery is at-least-once (a consumer restart re-delivers what was not committed), so effects
+must be applied at most once per id. The id is written to the journal — a small append-only file
+per node, fsynced — *before* the command executes: if the process dies mid-command, the restarted
+actuator finds the id and acks the redelivered copy as a duplicate instead of applying it a
+second time. (If it died before the effect happened, the effect is lost; the next tick's
+decision issues a fresh command with a fresh id, which is the safe direction for memory actions.)
+Journal entries are dropped once their command's TTL has passed: an older redelivery is rejected
+as expired anyway, so the journal stays small.
+
+``Actuator`` is synchronous and takes the node's time as an argument; ``run_actuators`` is the
+thin async shell over a bus.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from actuators.executor import Executor
+from policy.commands import Ack, AckOutcome, Command, CommandError, verify
+
+log = logging.getLogger(__name__)
+
+
+class AppliedJournal:
+    """Ids of applied commands with their expiry (event-time ns); optionally persisted to ``path``.
+
+    File format: one ``<id> <expires_at_ns>`` line per applied command. A torn last line (the
+    process died while writing it) is ignored on load.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, *, compact_every: int = 1024) -> None:
+        self.path = Path(path) if path is not None else None
+        self.compact_every = compact_every
+        self._expires: dict[str, int] = {}
+        self._appended = 0
+        if self.path is not None and self.path.exists():
+            self._load(self.path)
+
+    def __contains__(self, command_id: str) -> bool:
+        return command_id in self._expires
+
+    def __len__(self) -> int:
+        return len(self._expires)
+
+    def record(self, command_id: str, expires_at_ns: int) -> None:
+        self._expires[command_id] = expires_at_ns
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="ascii") as fh:
+            fh.write(f"{command_id} {expires_at_ns}\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        self._appended += 1
+
+    def prune(self, now_ns: int) -> int:
+        """Forget ids whose command expired before ``now_ns``; rewrite the file now and then."""
+        stale = [cid for cid, exp in self._expires.items() if exp < now_ns]
+        for cid in stale:
+            del self._expires[cid]
+        if self.path is not None and self._appended >= self.compact_every:
+            tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+            tmp.write_text("".join(f"{cid} {exp}\n" for cid, exp in self._expires.items()), encoding="ascii")
+            os.replace(tmp, self.path)
+            self._appended = 0
+        return len(stale)
+
+    def _load(self, path: Path) -> None:
+        for line in path.read_text(encoding="ascii", errors="replace").splitlines():
+            parts = line.split()
+            if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
+                continue  # a torn write at the end of the file
+            self._expires[parts[0]] = int(parts[1])
+
+
+@dataclass(slots=True)
+class ActuatorCounters:
+    received: int = 0
+    executed: int = 0
+    noop: int = 0
+    failed: int = 0
+    duplicate: int = 0
+    rejected_signature: int = 0
+    rejected_expired: int = 0
+    rejected_node: int = 0
+    malformed: int = 0
+    units_freed: int = 0
+    units_moved: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class Actuator:
+    def __init__(self, node: str, executor: Executor, secret: bytes, *,
+                 journal: AppliedJournal | None = None,
+                 clock_ns: Callable[[], int] = time.perf_counter_ns) -> None:
+        self.node = node
+        self.executor = executor
+        self.secret = secret
+        self.journal = journal if journal is not None else AppliedJournal()
+        self.clock_ns = clock_ns  # wall clock, only for the execution latency in acks
+        self.counters = ActuatorCounters()
+
+    def handle(self, command: Command, now_ns: int) -> Ack:
+        """Verify and apply one command at the node's time ``now_ns``; always returns an ack."""
+        started = self.clock_ns()
+        self.counters.received += 1
+        if command.node != self.node:
+            return self._reject(command, now_ns, started, AckOutcome.REJECTED_NODE,
+                                f"addressed to {command.node!r}, this is {self.node!r}")
+        if not verify(command, self.secret):
+            return self._reject(command, now_ns, started, AckOutcome.REJECTED_SIGNATURE,
+                                "HMAC signature does not match (forged, altered, or another secret)")
+        if command.id in self.journal:
+            return self._reject(command, now_ns, started, AckOutcome.DUPLICATE,
+                                f"command {command.id} was applied already")
+        if command.is_expired(now_ns):
+            late_s = (now_ns - command.expires_at_ns()) / 1e9
+            return self._reject(command, now_ns, started, AckOutcome.REJECTED_EXPIRED,
+                                f"expired {late_s:.3f} s ago (ttl {command.ttl_ns / 1e9:g} s)")
+        self.journal.record(command.id, command.expires_at_ns())
+        result = self.executor.execute(command, now_ns)
+        self.journal.prune(now_ns)
+        if result.outcome is AckOutcome.EXECUTED:
+            self.counters.executed += 1
+        elif result.outcome is AckOutcome.NOOP:
+            self.counters.noop += 1
+        else:
+            self.counters.failed += 1
+        self.counters.units_freed += result.units_freed
+        self.counters.units_moved += result.units_moved
+        return self._ack(command, now_ns, started, result.outcome, units_freed=result.units_freed,
+                         units_moved=result.units_moved, targets_done=result.targets_done,
+                         targets_noop=result.targets_noop, errors=result.errors)
+
+    def handle_record(self, value: Mapping[str, Any] | bytes, now_ns: int) -> Ack | None:
+        """Decode and handle; a malformed command is counted and logged (None: nothing to ack)."""
+        try:
+            command = Command.from_bytes(value) if isinstance(value, (bytes, bytearray)) else Command.from_dict(value)
+        except CommandError as err:
+            self.counters.malformed += 1
+            log.warning("actuator %s: malformed command: %s", self.node, err)
+            return None
+        return self.handle(command, now_ns)
+
+    def _reject(self, command: Command, now_ns: int, started: int, outcome: AckOutcome, why: str) -> Ack:
+        setattr(self.counters, outcome.value, getattr(self.counters, outcome.value) + 1)
+        log.info("actuator %s: %s command %s: %s", self.node, outcome.value, command.id, why)
+        return self._ack(command, now_ns, started, outcome, errors=(why,))
+
+    def _ack(self, command: Command, now_ns: int, started: int, outcome: AckOutcome, **fields: Any) -> Ack:
+        return Ack(command_id=command.id, node=self.node, outcome=outcome, executed_at_ns=now_ns,
+                   latency_ns=max(0, self.clock_ns() - started), issued_at_ns=command.issued_at_ns,
+                   action=command.action.value, variant=command.variant, mode=command.mode.value, **fields)
+
+
+async def run_actuators(bus: Any, settings: Any, actuators: Mapping[str, Actuator], *,
+                        node_time_ns: Callable[[str], int], group: str,
+                        stop: Any = None, on_ack: Callable[[Ack], None] | None = None,
+                        poll_s: float = 0.05) -> None:
+    """Consume ``kvguard.commands`` for the given nodes until ``stop`` (an asyncio.Event) is set.
+
+    Commands for nodes this process does not run are skipped (committed, not acked: they belong
+    to another node process). Acks go to ``kvguard.acks`` keyed by node.
+    """
+    from kvguard.bus.dlq import RecordDecoder
+    from kvguard.schemas import make_headers
+
+    commands_topic = settings.topics.name("commands")
+    acks_topic = settings.topics.name("acks")
+    decoder = RecordDecoder(bus, settings.topics.name("dlq"), component="actuator", group=group)
+    subscription = bus.subscribe([commands_topic], group)
+    try:
+        while stop is None or not stop.is_set():
+            records = await subscription.getmany(max_records=256, timeout_s=poll_s)
+            for record in records:
+                model = await decoder.decode("commands", record)
+                if model is not None:
+                    data = model.model_dump()
+                    actuator = actuators.get(str(data.get("node")))
+                    if actuator is not None:
+                        ack = actuator.handle_record(data, node_time_ns(actuator.node))
+                        if ack is not None:
+                            await bus.publish(acks_topic, ack.node, ack.to_bytes(),
+                                              make_headers("acks", ack.node, record_id=ack.command_id))
+                            if on_ack is not None:
+                                on_ack(ack)
+                await record.commit()
+    finally:
+        await subscription.close()

@@ -1,0 +1,96 @@
+"""Tier-3 inference time per tick for a fleet of GPUs on CPU (DESIGN §7 target: 1,000 GPUs x
+30-minute windows <= 20 ms per tick). Prints one JSON object.
+
+Two paths are timed with the same model:
+- ``window``: ``LSTMPredictor.predict`` on [n, 180, F] windows (the ``Predictor`` protocol the
+  stream core calls today): 180 LSTM steps per node per tick.
+- ``stateful``: ``LSTMPredictor.step`` keeps each node's (h, c) and advances one step per tick.
+It also reports how far the two paths' P(OOM) drift apart over a run (``max_abs_diff``).
+
+    .venv/bin/python bench/bench_predictor.py [--nodes 1000] [--threads 1] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+
+def timed(fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1000.0)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model", default=None, help="model artifact; default: the shipped one (else random weights)")
+    args = parser.parse_args()
+
+    import torch
+
+    from streams.lstm import LSTMPredictor, ModelError, ModelMetadata, Normalisation, OOMNet, load_model
+    from streams.metrics import FEATURE_NAMES
+    from streams.predictor import window_from_history
+
+    try:
+        predictor = load_model(args.model, expected_features=list(FEATURE_NAMES), threads=args.threads)
+        source = args.model or "shipped"
+    except ModelError:
+        torch.manual_seed(0)
+        meta = ModelMetadata(feature_names=list(FEATURE_NAMES),
+                             normalisation=Normalisation.fit(np.zeros((2, len(FEATURE_NAMES)))))
+        predictor = LSTMPredictor(OOMNet(len(FEATURE_NAMES)), meta, threads=args.threads)
+        source = "random weights (no shipped model found)"
+    n, window, f = args.nodes, predictor.window_ticks, len(FEATURE_NAMES)
+    rng = np.random.default_rng(0)
+    history = np.abs(rng.normal(size=(n, window + 20, f))).astype(np.float32) * 0.3
+    windows = history[:, -window:]
+    nodes = [f"bench/gpu{i}" for i in range(n)]
+
+    predictor.predict(windows[:8])  # warm up
+    window_ms = timed(lambda: predictor.predict(windows), args.repeats)
+
+    for t in range(window):  # bring every node's state to a full window of history
+        predictor.step(nodes, history[:, t])
+    step_ms = timed(lambda: predictor.step(nodes, history[:, window]), args.repeats * 4)
+
+    # agreement: 40 nodes, stateful vs exact padded windows over 240 ticks
+    k, ticks = 40, 240
+    seq = np.abs(rng.normal(size=(k, ticks, f))).astype(np.float32) * 0.3
+    agree = LSTMPredictor(predictor.net, predictor.metadata, threads=None)
+    diffs = []
+    for t in range(ticks):
+        p_step, _ = agree.step(nodes[:k], seq[:, t])
+        wins = np.stack([window_from_history(seq[i, :t + 1], window) for i in range(k)])
+        p_win, _ = predictor.predict(wins)
+        diffs.append(np.abs(p_step - p_win).max())
+
+    print(json.dumps({
+        "bench": "predictor",
+        "model": source,
+        "nodes": n,
+        "window_ticks": window,
+        "features": f,
+        "torch_threads": torch.get_num_threads(),
+        "window_ms_per_tick": {"median": round(statistics.median(window_ms), 2), "min": round(min(window_ms), 2)},
+        "stateful_ms_per_tick": {"median": round(statistics.median(step_ms), 3), "min": round(min(step_ms), 3)},
+        "target_ms": 20.0,
+        "window_meets_target": statistics.median(window_ms) <= 20.0,
+        "stateful_meets_target": statistics.median(step_ms) <= 20.0,
+        "stateful_vs_window_max_abs_diff_p": round(float(max(diffs)), 5),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Shadow-engine speed: simulated seconds per wall second for ONE GPU at >= 64 concurrent requests.
+
+Prints one JSON object. The default case is Llama-3-70B TP8 (one H100 shard, dual 4/64-token pages)
+on the Azure conversation trace at x2 its rate, which keeps about 100 requests running; the
+8B/24GB case (at most ~35 requests fit its KV region) is reported too for comparison.
+Usage: .venv/bin/python bench/bench_sim.py [--seconds 300] [--rate-scale 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from producers.engine import NS  # noqa: E402
+from producers.fleet import Fleet  # noqa: E402
+from producers.profiles import load_profile  # noqa: E402
+from producers.workloads import load_workload  # noqa: E402
+
+
+def run_case(profile_name: str, workload: str, rate_scale: float, seconds: float) -> dict:
+    profile = load_profile(profile_name)
+    wl = load_workload(workload, rate_scale=rate_scale, window=seconds,
+                       max_prompt_tokens=min(profile.max_model_len - 1024, int(profile.capacity_tokens * 0.6)))
+    fleet = Fleet(1, profile, seed=0)
+    fleet.submit_workload(wl)
+    engine = fleet.engines[0]
+    running = []
+    events = 0
+    t0 = time.perf_counter()
+    cpu0 = time.process_time()
+    for t in range(1, int(seconds) + 1):
+        fleet.advance(t * NS)
+        running.append(len(engine._running))
+        if t % 10 == 0:
+            events += sum(len(b) for b in fleet.take_batches(t * NS))
+    wall = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
+    events += sum(len(b) for b in fleet.take_batches(int(seconds) * NS))
+    s = fleet.summary()
+    busy = [r for r in running if r > 0]
+    return {
+        "profile": profile_name, "workload": workload, "rate_scale": rate_scale,
+        "sim_seconds": round(engine.now_ns / NS, 1), "wall_seconds": round(wall, 3),
+        "sim_seconds_per_wall_second": round(engine.now_ns / NS / wall, 1),
+        "cpu_seconds": round(cpu, 3),
+        "sim_seconds_per_cpu_second": round(engine.now_ns / NS / cpu, 1),
+        "concurrent_mean": round(sum(running) / len(running), 1),
+        "concurrent_mean_busy": round(sum(busy) / len(busy), 1) if busy else 0.0,
+        "concurrent_max": max(running), "events": events, "events_per_wall_second": round(events / wall),
+        "steps": engine.steps, "requests": s.requests, "completed": s.completed, "ooms": s.ooms,
+        "preemptions": s.preemptions,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=300.0, help="simulated seconds per case")
+    ap.add_argument("--rate-scale", type=float, default=2.0)
+    args = ap.parse_args()
+    main_case = run_case("llama3-70b-tp8-80gb", "azure-conv", args.rate_scale, args.seconds)
+    small = run_case("llama3-8b-24gb", "azure-conv", 0.25, args.seconds)
+    print(json.dumps({
+        "bench": "sim",
+        "target_x_real_time": 1000,
+        "sim_seconds_per_wall_second": main_case["sim_seconds_per_wall_second"],
+        "sim_seconds_per_cpu_second": main_case["sim_seconds_per_cpu_second"],
+        "concurrent_mean": main_case["concurrent_mean"],
+        "main": main_case,
+        "llama3_8b_24gb": small,
+    }))
+
+
+if __name__ == "__main__":
+    main()

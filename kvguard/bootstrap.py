@@ -1,0 +1,195 @@
+"""The composition root: the one place that turns settings into kvguard's object graph.
+
+``bootstrap(settings, bus=…, ledger=…)`` returns a ``Graph`` whose factories build what each
+command needs — the demo, a node process, the policy service, the stream worker — from the same
+settings, so a number (tick, thresholds, TTL, secret, profile) is read in one place only. Tests
+pass small working parts (an ``InprocBus``, a ``MemoryBudgetLedger``); nothing here connects,
+starts or reads a clock at import time, and the bus/ledger are only built when asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
+
+
+class BootstrapError(ValueError):
+    """A setting needed to build the graph is missing or wrong; ``field`` names it."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+@dataclass(slots=True)
+class Graph:
+    settings: Any
+    profile: Any
+    secret: bytes
+    secret_generated: bool
+    engine_config: Any  # policy.engine.EngineConfig
+    bus: Any = None
+    ledger: Any = None
+    predictor: Any = None
+    predictor_note: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    # -- stream side ----------------------------------------------------------------------------
+
+    def stream_config(self, **overrides: Any):
+        from streams.core import StreamConfig
+
+        return StreamConfig.from_settings(self.settings.streams, self.settings.predictor, **overrides)
+
+    def stream_core(self, *, with_predictor: bool = True):
+        from streams.core import StreamCore
+
+        predictor = self.predictor if with_predictor else None
+        window = getattr(predictor, "window_ticks", None)
+        config = self.stream_config(**({"window_ticks": window} if window else {}))
+        return StreamCore(config, predictor=predictor)
+
+    # -- policy side ----------------------------------------------------------------------------
+
+    def policy_engine(self):
+        from policy.engine import PolicyEngine
+
+        return PolicyEngine(self.engine_config, self.secret)
+
+    def policy_service(self, *, bus: Any = None, ledger: Any = None):
+        from policy.service import PolicyService
+
+        return PolicyService(self.policy_engine(), self.settings, bus=bus or self.bus,
+                             ledger=ledger if ledger is not None else self.ledger)
+
+    # -- node side ------------------------------------------------------------------------------
+
+    def fleet(self, n_gpus: int, *, seed: int = 0, host: str = "sim-0", snapshot_every_s: float = 60.0):
+        from producers.fleet import Fleet
+
+        return Fleet(n_gpus, self.profile, seed=seed, host=host, snapshot_every_s=snapshot_every_s)
+
+    def actuators(self, engines: list[Any], *, journal_dir: str | Path | None = None) -> dict[str, Any]:
+        """One actuator per engine; with ``journal_dir`` each keeps its applied-id journal there."""
+        from actuators.actuator import Actuator, AppliedJournal
+        from actuators.executor import Executor
+
+        out = {}
+        for engine in engines:
+            path = None
+            if journal_dir is not None:
+                path = Path(journal_dir) / (engine.node.replace("/", "_").replace(":", "_") + ".applied")
+            out[engine.node] = Actuator(engine.node, Executor(engine), self.secret,
+                                        journal=AppliedJournal(path))
+        return out
+
+
+def bootstrap(settings: Any = None, *, bus: Any = None, ledger: Any = None, profile: str | None = None,
+              predictor: Any = "shipped", strategy_overrides: Mapping[str, Mapping[str, Any]] | None = None,
+              require_secret: bool = False) -> Graph:
+    """Build the graph. ``predictor``: ``"shipped"`` (load the shipped LSTM if present), ``None``
+    (no tier 3), a path, or a ready predictor object. ``require_secret``: multi-process mode, where
+    policy and actuators must share ``policy.hmac_secret`` (an embedded run makes one up)."""
+    from kvguard.settings import Settings
+
+    settings = settings if settings is not None else Settings.load()
+    prof = _profile(profile)
+    secret, generated = _secret(settings, require_secret)
+    engine_config = engine_config_from(settings, prof, strategy_overrides or {})
+    graph = Graph(settings=settings, profile=prof, secret=secret, secret_generated=generated,
+                  engine_config=engine_config, bus=bus, ledger=ledger)
+    graph.predictor, graph.predictor_note = _predictor(settings, predictor)
+    return graph
+
+
+def engine_config_from(settings: Any, profile: Any, strategy_overrides: Mapping[str, Mapping[str, Any]]):
+    """Policy numbers: the strategies from settings (and overrides), the rest from the profile."""
+    from policy.engine import EngineConfig
+    from policy.planner import CostModel, PlannerConfig
+    from policy.strategy import PRESETS, strategy_from_mapping
+
+    policy = settings.policy
+    default = replace(PRESETS[policy.preset], scan_interval_s=float(policy.async_scan_s), name=policy.preset)
+    emergency = PRESETS["emergency"]
+    for name in ("default", "emergency"):
+        values = dict(getattr(policy, name, None) or {})
+        values.update(strategy_overrides.get(name, {}))
+        if values:
+            base = default if name == "default" else emergency
+            built = strategy_from_mapping(values, base=base, field_prefix=f"policy.{name}")
+            default, emergency = (built, emergency) if name == "default" else (default, built)
+    geometry = profile.geometry
+    workspace = profile.workspace_units(profile.max_batched_tokens)
+    cost = CostModel(step_base_s=profile.step_base_s, prefill_s_per_token=profile.step_prefill_token_s,
+                     decode_s_per_token=profile.step_decode_seq_s, unit_tokens=geometry.unit_tokens,
+                     unit_bytes=geometry.unit_bytes, host_link_bytes_per_s=profile.host_bandwidth_bytes_per_s)
+    planner = PlannerConfig(required_run_units=workspace + max(geometry.page_classes))
+    return EngineConfig(default=default, emergency=emergency, planner=planner, cost=cost,
+                        command_ttl_s=float(policy.command_ttl_s), dynamic_units=geometry.dynamic_units,
+                        unit_tokens=geometry.unit_tokens, headroom_units=workspace,
+                        budget_f_ext=float(settings.budget.f_ext_threshold))
+
+
+def make_ledger(settings: Any, redis_url: str | None = None):
+    """The budget ledger: Redis when a URL is given, else the in-memory one (embedded)."""
+    from policy.budget import BudgetConfig, MemoryBudgetLedger
+
+    config = BudgetConfig.from_settings(settings)
+    if not redis_url:
+        return MemoryBudgetLedger(config)
+    from policy.budget_redis import RedisBudgetLedger
+
+    return RedisBudgetLedger(redis_url, config)
+
+
+def make_bus(settings: Any, bus_url: str | None):
+    """``None``/``inproc://`` → the in-process bus; ``kafka://host:port`` → Kafka."""
+    if not bus_url or bus_url.startswith("inproc"):
+        from kvguard.bus.inproc import InprocBus
+
+        return InprocBus.from_settings(settings)
+    if not bus_url.startswith("kafka://"):
+        raise BootstrapError("--bus", f"expected kafka://HOST:PORT or inproc://, got {bus_url!r}")
+    from kvguard.bus.kafka import KafkaBus
+
+    kafka = settings.kafka.model_copy(update={"bootstrap": bus_url[len("kafka://"):]})
+    return KafkaBus(kafka)
+
+
+def _profile(name: str | None):
+    from producers.profiles import load_profile
+
+    return load_profile(name)
+
+
+def _secret(settings: Any, required: bool) -> tuple[bytes, bool]:
+    text = settings.policy.hmac_secret
+    if text:
+        return text.encode(), False
+    if required:
+        raise BootstrapError("policy.hmac_secret", "empty; policy and actuators in separate processes must "
+                             "share it (set KVGUARD_POLICY__HMAC_SECRET or policy.hmac_secret in the file)")
+    return secrets.token_hex(16).encode(), True
+
+
+def _predictor(settings: Any, predictor: Any) -> tuple[Any, str]:
+    if predictor is None:
+        return None, "no LSTM tier (disabled)"
+    if not isinstance(predictor, str):
+        return predictor, "LSTM tier: given predictor"
+    path = settings.predictor.model_path if predictor == "shipped" else predictor
+    try:
+        from streams.lstm import ModelError, load_model
+        from streams.metrics import FEATURE_NAMES
+    except ImportError as err:  # torch missing
+        return None, f"no LSTM tier ({err})"
+    try:
+        model = load_model(path, expected_features=list(FEATURE_NAMES))
+    except ModelError as err:
+        return None, f"no LSTM tier: {err}"
+    return model, f"LSTM tier: {path or 'shipped model'}"

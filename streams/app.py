@@ -1,0 +1,321 @@
+"""The Faust app: ``StreamCore`` behind ``kvguard.events``, per-node state in a changelog-backed table.
+
+``build_app(settings)`` builds everything (nothing at import time, no module-level app): one agent
+reads raw event-batch records, decodes them with ``kvguard.schemas`` (undecodable ones go to
+``kvguard.dlq`` with the reason; the worker lives on), runs the core, and publishes ticks to
+``kvguard.metrics`` and alerts to ``kvguard.alerts`` keyed by node, with the same record bytes as the
+embedded runner (``streams.embedded.encode_tick``/``encode_alert``).
+
+State and recovery. A node's full ``NodeState`` is tens of KB, too much to write per batch, so the
+table ``<app_id>-state`` holds, per node (keys are raw bytes):
+
+- ``C|<node>``: a checkpoint (``NodeState.to_bytes()``), written every ``checkpoint_every_ticks``
+  ticks of that node;
+- ``P|<node>|<epoch>|<seq>``: the raw record of each batch applied since that checkpoint (written
+  once, so the changelog carries about the input volume), deleted at the next checkpoint;
+- ``I|<node>``: the list of those pending (epoch, seq) pairs (a few dozen small ints).
+
+A worker that meets a node it has no memory of (startup, a partition moved to it) rebuilds the
+node from the checkpoint and replays the pending batches, discarding their outputs (they were
+published before the table was written). Per batch the order is: process, publish outputs and wait
+for the broker, then write the table; Faust flushes table writes before it commits the offset. So a
+crash anywhere re-delivers at most the batches whose outputs may already be out (duplicates within
+at-least-once), the core skips batches it has applied (``seq``), and no tick is lost.
+
+Topics Faust needs that Tansu will not auto-create are created by ``ensure_topics`` before the
+worker starts: kvguard's topics, the table changelog (as many partitions as the events topic,
+``cleanup.policy=compact``) and Faust's ``<app_id>-__assignor-__leader`` (1 partition).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import tempfile
+from dataclasses import dataclass
+
+from streams.core import NodeState, StreamConfig, StreamCore
+from streams.embedded import encode_alert, encode_tick, output_headers
+from streams.predictor import Predictor
+
+log = logging.getLogger(__name__)
+
+DEFAULT_APP_ID = "kvguard-streams"
+TABLE_NAME = "state"
+
+
+def changelog_topic_name(app_id: str) -> str:
+    return f"{app_id}-{TABLE_NAME}-changelog"
+
+
+def leader_topic_name(app_id: str) -> str:
+    return f"{app_id}-__assignor-__leader"
+
+
+def internal_topics(settings, app_id: str = DEFAULT_APP_ID) -> dict[str, tuple[int, dict[str, str]]]:
+    """Faust's own topics: name -> (partitions, topic configs)."""
+    events = settings.topics.events.partitions
+    return {
+        changelog_topic_name(app_id): (events, {"cleanup.policy": "compact"}),
+        leader_topic_name(app_id): (1, {}),
+    }
+
+
+async def ensure_topics(settings, app_id: str = DEFAULT_APP_ID) -> dict[str, str]:
+    """Create kvguard's topics and Faust's internal ones (idempotent); ``{name: created|exists}``."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    from kvguard.bus.kafka import client_kwargs, create_topics
+
+    result = await create_topics(settings, settings.topics.all())
+    admin = AIOKafkaAdminClient(**client_kwargs(settings.kafka))
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        wanted = [NewTopic(name, num_partitions=n, replication_factor=1, topic_configs=configs)
+                  for name, (n, configs) in internal_topics(settings, app_id).items() if name not in existing]
+        for name in internal_topics(settings, app_id):
+            result[name] = "exists" if name in existing else "created"
+        if wanted:
+            response = await admin.create_topics(wanted)
+            for item in response.topic_errors:
+                name, code = item[0], item[1]
+                if code not in (0, 36):  # 36: TOPIC_ALREADY_EXISTS
+                    raise RuntimeError(f"creating Faust topic {name!r} on {settings.kafka.bootstrap} "
+                                       f"failed: error {code}")
+    finally:
+        await admin.close()
+    return result
+
+
+@dataclass(slots=True)
+class WorkerCounters:
+    records: int = 0
+    batches: int = 0
+    events: int = 0
+    duplicates: int = 0
+    ticks: int = 0
+    alerts: int = 0
+    dead_lettered: int = 0
+    checkpoints: int = 0
+    nodes_restored: int = 0
+    batches_replayed: int = 0
+    nodes_dropped: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+def _node_key(prefix: bytes, node: str, *rest) -> bytes:
+    return b"|".join([prefix, node.encode(), *(str(x).encode() for x in rest)])
+
+
+class StreamsWorker:
+    """The agent's logic, kept apart from Faust's decorators so it reads (and tests) plainly."""
+
+    def __init__(self, settings, config: StreamConfig, predictor: Predictor | None, *, table, metrics_topic,
+                 alerts_topic, dlq_topic, checkpoint_every_ticks: int = 6, app_id: str = DEFAULT_APP_ID):
+        if checkpoint_every_ticks <= 0:
+            raise ValueError(f"checkpoint_every_ticks must be > 0, got {checkpoint_every_ticks}")
+        self.settings = settings
+        self.core = StreamCore(config, predictor)
+        self.table = table
+        self.metrics_topic = metrics_topic
+        self.alerts_topic = alerts_topic
+        self.dlq_topic = dlq_topic
+        self.checkpoint_every_ticks = checkpoint_every_ticks
+        self.app_id = app_id
+        self.partition_of: dict[str, int] = {}
+        self.ticks_since_checkpoint: dict[str, int] = {}
+        self.counters = WorkerCounters()
+
+    async def handle(self, event) -> None:
+        from kvguard.schemas import DecodeError, decode_batch
+
+        message = event.message
+        value = event.value
+        self.counters.records += 1
+        headers = _header_pairs(message.headers)
+        try:
+            batch = decode_batch(value, headers)
+        except DecodeError as exc:
+            await self.dead_letter(message, value, headers, exc.reason, exc.detail)
+            return
+        node = batch.node
+        self.partition_of[node] = message.partition
+        st = self.core.nodes.get(node)
+        if st is None:
+            st = self.restore(node)
+        duplicates = st.duplicates
+        ticks, alerts = self.core.process(batch)
+        if st.duplicates != duplicates:
+            self.counters.duplicates += 1
+            return
+        self.counters.batches += 1
+        self.counters.events += len(batch)
+        await self.publish(ticks, alerts)
+        self.remember(node, batch.epoch, batch.seq, value, new_ticks=len(ticks))
+
+    async def publish(self, ticks, alerts) -> None:
+        futures = []
+        for tick in ticks:
+            futures.append(await self.metrics_topic.send(
+                key=tick.node.encode(), value=encode_tick(tick),
+                headers=output_headers("metrics", tick.node, tick.ts_ns)))
+        for alert in alerts:
+            futures.append(await self.alerts_topic.send(
+                key=alert.node.encode(), value=encode_alert(alert),
+                headers=output_headers("alerts", alert.node, alert.ts_ns, f"/{alert.rule}")))
+        if futures:  # outputs are on the broker before the state that produced them is saved
+            await asyncio.gather(*futures)
+        self.counters.ticks += len(ticks)
+        self.counters.alerts += len(alerts)
+
+    def remember(self, node: str, epoch: int, seq: int, raw: bytes, *, new_ticks: int) -> None:
+        """Record the batch in the table: pending until the next checkpoint of this node."""
+        index_key = _node_key(b"I", node)
+        pending = json.loads(self.table.get(index_key) or b"[]")
+        done = self.ticks_since_checkpoint.get(node, 0) + new_ticks
+        if done >= self.checkpoint_every_ticks:
+            self.table[_node_key(b"C", node)] = self.core.nodes[node].to_bytes()
+            for e, s in pending:
+                del self.table[_node_key(b"P", node, e, s)]
+            self.table[index_key] = b"[]"
+            self.ticks_since_checkpoint[node] = 0
+            self.counters.checkpoints += 1
+            return
+        self.table[_node_key(b"P", node, epoch, seq)] = bytes(raw)
+        pending.append([epoch, seq])
+        self.table[index_key] = json.dumps(pending).encode()
+        self.ticks_since_checkpoint[node] = done
+
+    def restore(self, node: str) -> NodeState:
+        """Rebuild a node from its checkpoint and pending batches (outputs discarded: already sent)."""
+        from kvguard.schemas import decode_batch
+
+        core = self.core
+        checkpoint = self.table.get(_node_key(b"C", node))
+        if checkpoint is not None:
+            core.nodes[node] = NodeState.from_bytes(checkpoint, core.config,
+                                                    with_predictor=core.predictor is not None)
+        st = core.node_state(node)
+        pending = json.loads(self.table.get(_node_key(b"I", node)) or b"[]")
+        for epoch, seq in pending:
+            raw = self.table.get(_node_key(b"P", node, epoch, seq))
+            if raw is None:
+                log.warning("node %s: pending batch %s/%s missing from the state table", node, epoch, seq)
+                continue
+            core.process(decode_batch(raw))
+            self.counters.batches_replayed += 1
+        self.ticks_since_checkpoint[node] = 0
+        if checkpoint is not None or pending:
+            self.counters.nodes_restored += 1
+            log.info("node %s restored from the changelog (%d pending batches replayed)", node, len(pending))
+        return st
+
+    def drop_partitions(self, partitions: set[int]) -> None:
+        """Forget nodes of revoked partitions: their next owner continues from the table."""
+        for node in [n for n, p in self.partition_of.items() if p in partitions]:
+            self.core.nodes.pop(node, None)
+            self.partition_of.pop(node, None)
+            self.ticks_since_checkpoint.pop(node, None)
+            self.counters.nodes_dropped += 1
+
+    async def dead_letter(self, message, value: bytes, headers, reason: str, detail: str) -> None:
+        import time
+
+        from kvguard.schemas import DlqRecord, make_headers
+
+        self.counters.dead_lettered += 1
+        record = DlqRecord.of(reason=reason, detail=detail, topic=message.topic, partition=message.partition,
+                              offset=message.offset, key=message.key, value=value, headers=headers,
+                              group=self.app_id, component="streams", dead_lettered_at_ns=time.time_ns())
+        log.warning("dead-lettered %s/%d@%d: %s: %s", message.topic, message.partition, message.offset,
+                    reason, detail)
+        fut = await self.dlq_topic.send(
+            key=message.key, value=record.to_bytes(),
+            headers=make_headers("dlq", "kvguard-streams",
+                                 record_id=f"{message.topic}/{message.partition}/{message.offset}"))
+        await fut
+
+
+def _header_pairs(headers) -> list[tuple[str, bytes]]:
+    if not headers:
+        return []
+    items = headers.items() if isinstance(headers, dict) else headers
+    return [(k if isinstance(k, str) else k.decode(), bytes(v) if v is not None else b"") for k, v in items]
+
+
+def build_app(settings, *, predictor: Predictor | None = None, app_id: str = DEFAULT_APP_ID,
+              datadir: str | None = None, checkpoint_every_ticks: int = 6, config: StreamConfig | None = None):
+    """A configured Faust app and its ``StreamsWorker``. Connects to nothing until started."""
+    import faust
+
+    kafka = settings.kafka
+    events_partitions = settings.topics.events.partitions
+    app = faust.App(
+        app_id,
+        broker=[f"kafka://{host.strip()}" for host in kafka.bootstrap.split(",")],
+        broker_client_id=kafka.client_id,
+        broker_credentials=_credentials(kafka),
+        store="memory://",
+        datadir=datadir or tempfile.mkdtemp(prefix=f"{app_id}-"),
+        topic_partitions=events_partitions,
+        topic_allow_declare=False,
+        topic_disable_leader=False,
+        table_standby_replicas=0,
+        consumer_auto_offset_reset="earliest",
+        broker_session_timeout=kafka.session_timeout_ms / 1000,
+        broker_heartbeat_interval=kafka.heartbeat_interval_ms / 1000,
+        broker_request_timeout=kafka.request_timeout_ms / 1000,
+        web_enabled=False,
+        stream_wait_empty=False,
+        processing_guarantee="at_least_once",
+    )
+    raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
+    events = app.topic(settings.topics.name("events"), partitions=events_partitions, **raw)
+    metrics = app.topic(settings.topics.name("metrics"), **raw)
+    alerts = app.topic(settings.topics.name("alerts"), **raw)
+    dlq = app.topic(settings.topics.name("dlq"), **raw)
+    table = app.Table(TABLE_NAME, default=None, partitions=events_partitions, key_type=bytes, value_type=bytes)
+    worker = StreamsWorker(settings, config or StreamConfig.from_settings(settings.streams, settings.predictor),
+                           predictor, table=table, metrics_topic=metrics, alerts_topic=alerts, dlq_topic=dlq,
+                           checkpoint_every_ticks=checkpoint_every_ticks, app_id=app_id)
+
+    @app.agent(events, name="kvguard-streams-events")
+    async def process_events(stream):
+        async for event in stream.events():
+            await worker.handle(event)
+
+    events_name = events.get_topic_name()
+
+    @app.on_partitions_revoked.connect
+    async def on_revoked(sender, revoked, **kwargs) -> None:
+        worker.drop_partitions({tp.partition for tp in revoked if tp.topic == events_name})
+
+    @app.on_partitions_assigned.connect
+    async def on_assigned(sender, assigned, **kwargs) -> None:
+        mine = sorted(tp.partition for tp in assigned if tp.topic == events_name)
+        log.info("kvguard-streams assigned %s partitions %s", events_name, mine)
+
+    app.kvguard_worker = worker
+    return app, worker
+
+
+def _credentials(kafka):
+    """Faust credentials from kvguard's Kafka settings (None for PLAINTEXT)."""
+    if kafka.security_protocol == "PLAINTEXT":
+        return None
+    import faust
+
+    ssl_context = None
+    if kafka.security_protocol in ("SSL", "SASL_SSL"):
+        from aiokafka.helpers import create_ssl_context
+
+        ssl_context = create_ssl_context(cafile=kafka.ssl_cafile, certfile=kafka.ssl_certfile,
+                                         keyfile=kafka.ssl_keyfile)
+    if kafka.security_protocol.startswith("SASL"):
+        return faust.SASLCredentials(username=kafka.sasl_username, password=kafka.sasl_password,
+                                     mechanism=kafka.sasl_mechanism or "PLAIN", ssl_context=ssl_context)
+    return faust.SSLCredentials(ssl_context)

@@ -1,0 +1,212 @@
+import numpy as np
+import pytest
+
+from kvguard.eventlog import write_event_log
+from kvguard.events import EventBatch, EventKind, F_PRIORITY_DEFAULTED, Handling, Outcome
+from producers.engine import NS, Engine, EngineConfig, SeqState
+from producers.pool import PagedPool
+from producers.profiles import profile_from_dict
+from producers.workloads import Request, load_workload
+
+SUMMARY_FIELDS = ["requests", "completed", "failed", "ooms", "preemptions", "ttft_p50_s", "ttft_p99_s",
+                  "tpot_p50_s", "tpot_p99_s", "goodput_tokens_per_s", "downtime_s", "sim_seconds", "events"]
+
+
+def tiny_profile(dynamic_units=2000, *, page_class_tokens=(4, 64), activation_bytes_per_token=1024,
+                 max_batched_tokens=256, max_num_seqs=64):
+    unit_bytes = 4 * 1024
+    overhead = 1 << 20
+    return profile_from_dict("tiny", {
+        "total_bytes": dynamic_units * unit_bytes + 2 * overhead, "weights_bytes": overhead,
+        "context_bytes": overhead, "gpu_memory_utilization": 1.0, "unit_tokens": 4,
+        "page_class_tokens": list(page_class_tokens), "kv_bytes_per_token": 1024,
+        "activation_bytes_per_token": activation_bytes_per_token, "max_batched_tokens": max_batched_tokens,
+        "max_num_seqs": max_num_seqs, "max_model_len": 8192, "step_base_s": 0.01, "step_prefill_token_s": 0.0001,
+        "step_decode_seq_s": 0.0002, "swap_capacity_bytes": 4000 * unit_bytes,
+        "host_bandwidth_bytes_per_s": 1e10,
+    })
+
+
+def make_engine(profile=None, config=None, **pool_kw):
+    profile = profile or tiny_profile()
+    pool = PagedPool(profile.geometry, node="t/gpu0", swap_capacity_units=profile.swap_capacity_units,
+                     retain_ttl_ns=pool_kw.pop("retain_ttl_ns", 600 * NS), **pool_kw)
+    return Engine(pool, profile, node="t/gpu0", config=config)
+
+
+def req(i, t_s, prompt, out, priority=None, hashes=()):
+    return Request(i, int(t_s * NS), prompt, out, priority, hashes)
+
+
+def drain(engine, until_s=600):
+    engine.advance(int(until_s * NS))
+    return engine.take_events()
+
+
+def test_light_load_completes_everything_with_latency_figures():
+    e = make_engine()
+    for i in range(20):
+        e.submit(req(i, i * 0.5, 100 + 10 * i, 20 + i, priority=5))
+    ev = drain(e)
+    s = e.summary()
+    assert list(s.to_dict()) == SUMMARY_FIELDS
+    assert (s.requests, s.completed, s.failed, s.ooms, s.preemptions) == (20, 20, 0, 0, 0)
+    assert 0 < s.ttft_p50_s <= s.ttft_p99_s and 0 < s.tpot_p50_s <= s.tpot_p99_s
+    assert s.goodput_tokens_per_s > 0 and s.events == len(ev)
+    finishes = ev[ev["kind"] == EventKind.FINISH]
+    assert len(finishes) == 20 and np.all(finishes["flags"] == Outcome.COMPLETED)
+    assert sorted(finishes["tokens"]) == sorted(20 + i for i in range(20))
+    assert np.all(np.diff(ev["ts_ns"]) >= 0), "rows of one node are in time order"
+    assert e.pool.metrics().live_units == 0
+
+
+def _run_once(tmp_path, name):
+    e = make_engine(tiny_profile(600))
+    for r in load_workload("mixed", window=120, seed=4).requests:
+        e.submit(r)
+    e.advance(400 * NS)
+    ev = e.take_events()
+    path = tmp_path / name
+    write_event_log(path, [EventBatch("t/gpu0", 0, ev)], {"seed": 4})
+    return ev, e.summary(), path.read_bytes()
+
+
+def test_same_workload_profile_and_seed_give_byte_identical_event_logs(tmp_path):
+    ev_a, sum_a, bytes_a = _run_once(tmp_path, "a.gz")
+    ev_b, sum_b, bytes_b = _run_once(tmp_path, "b.gz")
+    assert len(ev_a) > 1000
+    assert ev_a.tobytes() == ev_b.tobytes()
+    assert bytes_a == bytes_b
+    assert sum_a == sum_b
+
+
+def test_missing_priority_defaults_to_5_and_is_counted():
+    e = make_engine()
+    e.submit(req(0, 0, 50, 5, priority=None))
+    e.submit(req(1, 0, 50, 5, priority=9))
+    e.submit(req(2, 0, 50, 5, priority=42))  # clamped into 0-10
+    ev = drain(e, 30)
+    arrive = ev[ev["kind"] == EventKind.ARRIVE]
+    assert list(arrive["cls"]) == [5, 9, 10]
+    assert list(arrive["flags"]) == [F_PRIORITY_DEFAULTED, 0, 0]
+    assert e.priority_defaulted == 1
+
+
+def test_kv_pressure_preempts_lowest_priority_first_and_recomputes_it_later():
+    e = make_engine(tiny_profile(300, max_batched_tokens=128))
+    for i, prio in enumerate([9, 1, 5]):
+        e.submit(req(i, 0, 200, 400, priority=prio))
+    ev = drain(e, 2000)
+    pre = ev[ev["kind"] == EventKind.PREEMPT]
+    assert len(pre) >= 1 and pre["req"][0] == 1
+    assert pre["tokens"][0] > 200  # prompt + generated tokens to recompute
+    s = e.summary()
+    assert s.preemptions == len(pre)
+    assert s.completed + s.failed == 3
+    # the victim went back to the queue and was admitted again to recompute
+    assert ((ev["kind"] == EventKind.ADMIT) & (ev["req"] == 1)).sum() >= 2
+
+
+def _fragment(pool, holes_of=9):
+    """Fill D with small workspace buffers and free every other one: plenty of free units,
+    no free run longer than ``holes_of``."""
+    offsets = []
+    while pool.largest_free_run >= holes_of:
+        offsets.append(pool.alloc_workspace(holes_of, 0))
+    for off in offsets[::2]:
+        pool.free_workspace(off, 0)
+    pool.take_events()
+
+
+def test_workspace_that_finds_no_contiguous_run_crashes_the_engine_and_restarts_it():
+    profile = tiny_profile(1000, activation_bytes_per_token=4096, max_batched_tokens=32)
+    e = make_engine(profile, EngineConfig(restart_s=60.0))
+    _fragment(e.pool)
+    m = e.pool.metrics()
+    assert m.free_units > 400 and m.largest_free_run < 20
+    e.submit(req(0, 1, 20, 10, priority=5))  # 20 batched tokens -> a 20-unit workspace
+    e.submit(req(1, 30, 20, 10, priority=5))  # arrives while the GPU is down
+    ev = drain(e, 200)
+    kinds = list(ev["kind"])
+    oom_at = kinds.index(EventKind.OOM)
+    assert kinds[oom_at + 1] == EventKind.FINISH and ev["flags"][oom_at + 1] == Outcome.FAILED_OOM
+    assert EventKind.RESET in kinds[oom_at:]
+    assert ev["size"][oom_at] == 20 and ev["aux"][oom_at] < 20
+    s = e.summary()
+    assert (s.ooms, s.failed, s.completed) == (1, 1, 1)
+    assert s.downtime_s == pytest.approx(60.0, abs=1e-6)
+    assert e.oom_log[0]["fragmentation"] and e.oom_log[0]["what"] == "workspace"
+    # request 1 waited out the restart and was served afterwards
+    admit1 = ev[(ev["kind"] == EventKind.ADMIT) & (ev["req"] == 1)]
+    assert admit1["ts_ns"][0] >= ev["ts_ns"][oom_at] + 60 * NS
+
+
+def _running(e, rid):
+    return any(v.req == rid for v in e.running_requests())
+
+
+@pytest.mark.parametrize("handling", [Handling.RECOMPUTE, Handling.SWAP, Handling.CHECKPOINT, Handling.RETAIN])
+def test_request_eviction_parks_the_request_and_it_still_completes(handling, tmp_path):
+    e = make_engine(checkpoint_dir=tmp_path)
+    e.submit(req(0, 0, 300, 200, priority=5))
+    e.advance(1 * NS)
+    assert _running(e, 0)
+    units_before = e.pool.metrics().live_units
+    result = e.evict_request(0, e.now_ns, granularity="request", handling=handling)
+    assert result.pages > 0 and not _running(e, 0)
+    m = e.pool.metrics()
+    if handling is Handling.RETAIN:
+        assert m.retained_units == units_before
+    else:
+        assert m.live_units == 0
+    expected_queue = "swapped" if handling in (Handling.SWAP, Handling.CHECKPOINT) else "waiting"
+    assert e.queue_lengths()[expected_queue] == 1
+    ev = drain(e, 120)
+    assert e.summary().completed == 1
+    if handling is Handling.SWAP or handling is Handling.CHECKPOINT:
+        assert (ev["kind"] == EventKind.SWAP_IN).any()
+    if handling is Handling.RETAIN:
+        assert (ev["kind"] == EventKind.REMAP).any()
+
+
+def test_block_eviction_keeps_the_prefix_and_recomputes_only_the_tail():
+    e = make_engine()
+    e.submit(req(0, 0, 300, 200, priority=5))
+    e.advance(1 * NS)
+    before = e.pool.request_tokens(0)
+    result = e.evict_request(0, e.now_ns, granularity="block", handling=Handling.RECOMPUTE, pages=2)
+    assert result.pages == 2 and result.tokens > 0
+    assert e.pool.request_tokens(0) == before - result.tokens
+    drain(e, 120)
+    assert e.summary().completed == 1
+
+
+def test_evicting_a_finished_or_unknown_request_is_a_no_op():
+    e = make_engine()
+    e.submit(req(0, 0, 50, 5, priority=5))
+    drain(e, 30)
+    for rid in (0, 12345):
+        r = e.evict_request(rid, e.now_ns, granularity="request", handling=Handling.SWAP)
+        assert (r.pages, r.units_freed) == (0, 0)
+    with pytest.raises(ValueError, match="granularity"):
+        e.evict_request(0, e.now_ns, granularity="page")
+
+
+def test_running_views_and_compact():
+    e = make_engine()
+    for i in range(4):
+        e.submit(req(i, 0, 200, 300, priority=i))
+    e.advance(2 * NS)
+    views = e.running_requests()
+    assert {v.req for v in views} == {0, 1, 2, 3}
+    assert all(v.units > 0 and v.state is SeqState.RUNNING and v.prompt_tokens == 200 for v in views)
+    assert isinstance(e.compact(e.now_ns, 8), int)
+
+
+def test_prompt_that_can_never_fit_is_rejected_not_crashed():
+    e = make_engine(tiny_profile(300))
+    e.submit(req(0, 0, 5000, 10))
+    ev = drain(e, 10)
+    fin = ev[ev["kind"] == EventKind.FINISH]
+    assert list(fin["flags"]) == [Outcome.REJECTED]
+    assert e.summary().ooms == 0
