@@ -182,6 +182,12 @@ class BudgetSettings(_Section):
     f_ext_threshold: float = Field(0.5, ge=0, le=1)
     retention_weeks: int = Field(8, gt=0)
     key_prefix: str = "kvguard:"
+    cluster: str = "default"
+    # width of the burn buckets reported when a budget is exhausted
+    interval_s: int = Field(3600, gt=0)
+    top_intervals: int = Field(5, gt=0)
+    # debits held in memory while Redis is unreachable
+    buffer_max: int = Field(100_000, gt=0)
 
 
 class NodeSettings(_Section):
