@@ -2,7 +2,8 @@
 
 Prints one JSON object. The default case is Llama-3-70B TP8 (one H100 shard, dual 4/64-token pages)
 on the Azure conversation trace at x2 its rate, which keeps about 100 requests running; the
-8B/24GB case (at most ~35 requests fit its KV region) is reported too for comparison.
+same with vLLM-like 16-token pages (4x fewer page events) and the 8B/24GB case (at most ~35 requests
+fit its KV region; run at a light x0.25 load) are reported too for comparison.
 Usage: .venv/bin/python bench/bench_sim.py [--seconds 300] [--rate-scale 2]
 """
 
@@ -63,6 +64,7 @@ def main() -> None:
     ap.add_argument("--rate-scale", type=float, default=2.0)
     args = ap.parse_args()
     main_case = run_case("llama3-70b-tp8-80gb", "azure-conv", args.rate_scale, args.seconds)
+    p16 = run_case("llama3-70b-tp8-80gb-p16", "azure-conv", args.rate_scale, args.seconds)
     small = run_case("llama3-8b-24gb", "azure-conv", 0.25, args.seconds)
     print(json.dumps({
         "bench": "sim",
@@ -71,6 +73,7 @@ def main() -> None:
         "sim_seconds_per_cpu_second": main_case["sim_seconds_per_cpu_second"],
         "concurrent_mean": main_case["concurrent_mean"],
         "main": main_case,
+        "llama3_70b_tp8_80gb_p16": p16,
         "llama3_8b_24gb": small,
     }))
 

@@ -37,7 +37,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from kvguard.events import EVENT_DTYPE, F_PRIORITY_DEFAULTED, EventKind, Handling, Outcome
+from kvguard.events import F_PRIORITY_DEFAULTED, EventKind, Handling, Outcome
 from producers.pool_types import EvictResult, PageState, PoolError, PoolExhausted
 from producers.profiles import Profile
 from producers.workloads import HASH_BLOCK_TOKENS, Request, mix_hash

@@ -34,7 +34,7 @@ checkpointed pages, SWAP_IN rows) and ``remap`` (retained pages, REMAP rows) res
 A page another request still holds stays live; evicting it only drops this request's reference.
 ``expire`` frees retained pages past their TTL (EXPIRE). ``migrate`` moves one page (live, cached
 or retained) into the best-fitting hole away from it when that leaves fewer free runs, or as many
-with a longer one (MIGRATE; state unchanged); ``compact`` grows the longest free runs by migrating
+with the free space more concentrated (MIGRATE; state unchanged); ``compact`` grows the longest free runs by migrating
 the pages that border them, longest run first.
 
 Check, then act: every refusal (``PoolExhausted``, ``SwapFull``, ``UnknownRequest``,
@@ -501,9 +501,10 @@ class PagedPool:
         return freed
 
     def migrate(self, offset: int, now_ns: int) -> int | None:
-        """Move the page at ``offset`` (live, cached or retained) to the best-fitting free run when
-        that coalesces free space: fewer free runs, or as many with a longer one. Returns the new
-        offset, or None when no move helps. Raises UnknownPage."""
+        """Move the page at ``offset`` (live, cached or retained) to the best-fitting free run away
+        from it when that coalesces free space: fewer free runs, or as many with the free space more
+        concentrated (the sum of squared run lengths grows). Returns the new offset, or None when
+        no move helps. Raises UnknownPage."""
         page = self._pages.get(offset)
         if page is None:
             raise UnknownPage(offset)
@@ -516,10 +517,15 @@ class PagedPool:
             return None
         run_start, new_offset = found
         run_size = self._alloc.run_at(run_start)
-        fragments = (new_offset > run_start) + (new_offset + size < run_start + run_size)
-        delta_runs = fragments - (left is not None) - (right is not None)
-        if delta_runs > 0 or (delta_runs == 0 and merged <= run_size):
+        head, tail = new_offset - run_start, run_start + run_size - new_offset - size
+        delta_runs = (head > 0) + (tail > 0) - (left is not None) - (right is not None)
+        if delta_runs > 0:
             return None
+        if delta_runs == 0:
+            left_size = offset - left if left is not None else 0
+            before = left_size * left_size + (right or 0) * (right or 0) + run_size * run_size
+            if merged * merged + head * head + tail * tail <= before:
+                return None
         self._alloc.take(run_start, new_offset, size)
         self._alloc.free(offset, size)
         del self._pages[offset]

@@ -20,7 +20,6 @@ requests arriving in ``[0, window_s)`` after scaling. Pure: standard library + n
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import math
 from dataclasses import dataclass, field
@@ -131,7 +130,7 @@ def _open_lines(path: Path):
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise WorkloadError(str(path), raw[: e.start].count(b"\n") + 1, "UTF-8 text") from None
-    return io.StringIO(text).read().splitlines()
+    return text.splitlines()
 
 
 def _azure_ns(path: str, line_no: int, ts: str, day_cache: dict) -> int:
@@ -251,7 +250,7 @@ def load_trace(path: str | Path, *, seed: int = 0, poisson_rate_per_s: float = 2
     t0 = rows[0][0] if rows else 0
     requests = [Request(i, t - t0, p, o, None, h) for i, (t, p, o, h) in enumerate(rows)]
     notes = [f"trace {path.name} ({fmt}), {len(requests)} requests"]
-    if fmt == "csv" and rows and any(h == () for *_, h in rows[:1]) and head.startswith("num_prefill"):
+    if fmt == "csv" and "arrived_at" not in head and "TIMESTAMP" not in head:
         notes.append(f"no arrival times in the file: Poisson arrivals at {poisson_rate_per_s}/s (seed {seed})")
     return Workload(path.name, requests, notes)
 

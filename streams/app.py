@@ -15,10 +15,13 @@ table ``<app_id>-state`` holds, per node (keys are raw bytes):
   once, so the changelog carries about the input volume), deleted at the next checkpoint;
 - ``I|<node>``: the list of those pending (epoch, seq) pairs (a few dozen small ints).
 
+Records are handled in chunks (``max_records``): all batches of a chunk are applied, their
+outputs published with one wait for the broker, then the table is written.
+
 A worker that meets a node it has no memory of (startup, a partition moved to it) rebuilds the
 node from the checkpoint and replays the pending batches, discarding their outputs (they were
-published before the table was written). Per batch the order is: process, publish outputs and wait
-for the broker, then write the table; Faust flushes table writes before it commits the offset. So a
+published before the table was written). Per chunk the order is: process, publish outputs and
+wait for the broker, then write the table; Faust flushes table writes before it commits the offset. So a
 crash anywhere re-delivers at most the batches whose outputs may already be out (duplicates within
 at-least-once), the core skips batches it has applied (``seq``), and no tick is lost.
 
@@ -130,32 +133,41 @@ class StreamsWorker:
         self.ticks_since_checkpoint: dict[str, int] = {}
         self.counters = WorkerCounters()
 
-    async def handle(self, event) -> None:
+    async def handle(self, events) -> None:
+        """Process a chunk of consumed events: apply every batch, publish all outputs and wait for
+        the broker once, then record the applied batches in the table (changelog)."""
         from kvguard.schemas import DecodeError, decode_batch
 
-        message = event.message
-        value = event.value
-        self.counters.records += 1
-        headers = _header_pairs(message.headers)
-        try:
-            batch = decode_batch(value, headers)
-        except DecodeError as exc:
-            await self.dead_letter(message, value, headers, exc.reason, exc.detail)
-            return
-        node = batch.node
-        self.partition_of[node] = message.partition
-        st = self.core.nodes.get(node)
-        if st is None:
-            st = self.restore(node)
-        duplicates = st.duplicates
-        ticks, alerts = self.core.process(batch)
-        if st.duplicates != duplicates:
-            self.counters.duplicates += 1
-            return
-        self.counters.batches += 1
-        self.counters.events += len(batch)
+        applied = []
+        ticks, alerts = [], []
+        for event in events:
+            message = event.message
+            value = event.value
+            self.counters.records += 1
+            headers = _header_pairs(message.headers)
+            try:
+                batch = decode_batch(value, headers)
+            except DecodeError as exc:
+                await self.dead_letter(message, value, headers, exc.reason, exc.detail)
+                continue
+            node = batch.node
+            self.partition_of[node] = message.partition
+            st = self.core.nodes.get(node)
+            if st is None:
+                st = self.restore(node)
+            duplicates = st.duplicates
+            new_ticks, new_alerts = self.core.process(batch)
+            if st.duplicates != duplicates:
+                self.counters.duplicates += 1
+                continue
+            self.counters.batches += 1
+            self.counters.events += len(batch)
+            ticks += new_ticks
+            alerts += new_alerts
+            applied.append((message.partition, node, batch.epoch, batch.seq, value, len(new_ticks)))
         await self.publish(ticks, alerts)
-        self.remember(node, batch.epoch, batch.seq, value, new_ticks=len(ticks))
+        for partition, node, epoch, seq, value, n_ticks in applied:
+            self.remember(partition, node, epoch, seq, value, new_ticks=n_ticks)
 
     async def publish(self, ticks, alerts) -> None:
         futures = []
@@ -172,23 +184,33 @@ class StreamsWorker:
         self.counters.ticks += len(ticks)
         self.counters.alerts += len(alerts)
 
-    def remember(self, node: str, epoch: int, seq: int, raw: bytes, *, new_ticks: int) -> None:
+    def remember(self, partition: int, node: str, epoch: int, seq: int, raw: bytes, *, new_ticks: int) -> None:
         """Record the batch in the table: pending until the next checkpoint of this node."""
         index_key = _node_key(b"I", node)
         pending = json.loads(self.table.get(index_key) or b"[]")
         done = self.ticks_since_checkpoint.get(node, 0) + new_ticks
         if done >= self.checkpoint_every_ticks:
-            self.table[_node_key(b"C", node)] = self.core.nodes[node].to_bytes()
+            self._set(partition, _node_key(b"C", node), self.core.nodes[node].to_bytes())
             for e, s in pending:
-                del self.table[_node_key(b"P", node, e, s)]
-            self.table[index_key] = b"[]"
+                self._delete(partition, _node_key(b"P", node, e, s))
+            self._set(partition, index_key, b"[]")
             self.ticks_since_checkpoint[node] = 0
             self.counters.checkpoints += 1
             return
-        self.table[_node_key(b"P", node, epoch, seq)] = bytes(raw)
+        self._set(partition, _node_key(b"P", node, epoch, seq), bytes(raw))
         pending.append([epoch, seq])
-        self.table[index_key] = json.dumps(pending).encode()
+        self._set(partition, index_key, json.dumps(pending).encode())
         self.ticks_since_checkpoint[node] = done
+
+    def _set(self, partition: int, key: bytes, value: bytes) -> None:
+        """Table write to the changelog partition of the record that caused it (the events are
+        handled in chunks, so Faust's "current event" is not the right one to ask)."""
+        self.table.data[key] = value
+        self.table.send_changelog(partition, key, value)
+
+    def _delete(self, partition: int, key: bytes) -> None:
+        self.table.data.pop(key, None)
+        self.table.send_changelog(partition, key, None, value_serializer="raw")
 
     def restore(self, node: str) -> NodeState:
         """Rebuild a node from its checkpoint and pending batches (outputs discarded: already sent)."""
@@ -248,8 +270,10 @@ def _header_pairs(headers) -> list[tuple[str, bytes]]:
 
 
 def build_app(settings, *, predictor: Predictor | None = None, app_id: str = DEFAULT_APP_ID,
-              datadir: str | None = None, checkpoint_every_ticks: int = 6, config: StreamConfig | None = None):
-    """A configured Faust app and its ``StreamsWorker``. Connects to nothing until started."""
+              datadir: str | None = None, checkpoint_every_ticks: int = 6, config: StreamConfig | None = None,
+              max_records: int = 200, max_wait_s: float = 0.05):
+    """A configured Faust app and its ``StreamsWorker``. Connects to nothing until started.
+    The agent handles up to ``max_records`` records at a time (waiting at most ``max_wait_s``)."""
     import faust
 
     kafka = settings.kafka
@@ -285,8 +309,8 @@ def build_app(settings, *, predictor: Predictor | None = None, app_id: str = DEF
 
     @app.agent(events, name="kvguard-streams-events")
     async def process_events(stream):
-        async for event in stream.events():
-            await worker.handle(event)
+        async for chunk in stream.take_events(max_records, within=max_wait_s):
+            await worker.handle(chunk)
 
     events_name = events.get_topic_name()
 

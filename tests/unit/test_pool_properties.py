@@ -153,13 +153,18 @@ class PoolMachine(RuleBasedStateMachine):
                 self.pool.migrate(0, self.tick())
             return
         offset = data.draw(st.sampled_from(offsets))
-        before = self.pool.metrics()
+        before, squares_before = self.pool.metrics(), self.squared_runs()
         new = self.pool.migrate(offset, self.tick())
-        after = self.pool.metrics()
-        if new is not None:
+        after, squares_after = self.pool.metrics(), self.squared_runs()
+        if new is None:
+            assert squares_after == squares_before and after == before
+        else:  # fewer free runs, or as many with the free space more concentrated
             assert after.n_free_runs < before.n_free_runs or (
-                after.n_free_runs == before.n_free_runs and after.largest_free_run > before.largest_free_run)
+                after.n_free_runs == before.n_free_runs and squares_after > squares_before)
         assert after.tokens_stored == before.tokens_stored and after.live_units == before.live_units
+
+    def squared_runs(self) -> int:
+        return int((self.pool.free_runs()[1] ** 2).sum())
 
     @rule(max_moves=st.integers(1, 6))
     def compact(self, max_moves):
