@@ -131,7 +131,8 @@ def engine_config_from(settings: Any, profile: Any, strategy_overrides: Mapping[
     planner = PlannerConfig(required_run_units=workspace + max(geometry.page_classes))
     return EngineConfig(default=default, emergency=emergency, planner=planner, cost=cost,
                         command_ttl_s=float(policy.command_ttl_s), dynamic_units=geometry.dynamic_units,
-                        unit_tokens=geometry.unit_tokens, headroom_units=workspace,
+                        unit_tokens=geometry.unit_tokens,
+                        engine_reserve_units=workspace + int(0.01 * geometry.dynamic_units),
                         budget_f_ext=float(settings.budget.f_ext_threshold))
 
 

@@ -13,12 +13,17 @@ Per tick and node:
    budget is running low, F_ext above the budget's line triggers compaction as well.
 4. ``planner.plan`` says how much to free and from whom; the engine turns the plan into
    commands with idempotency ids derived from (node, tick time, action, position), signed.
-5. Admission headroom: an engine re-admits evicted requests as soon as its free-space count
-   allows, so evictions alone only buy time. While a node is at risk (any trigger, the
-   structural guard, EMERGENCY, or its queued prefills would not leave one full step of
-   contiguous room) the engine asks the node to hold ``headroom_units`` back from admission
-   (twice that in EMERGENCY); after ``headroom_calm_ticks`` calm ticks it releases the hold.
-   The hold is a level, not a delta, so a repeated or reordered command does no harm.
+5. Admission headroom: an engine admits (and re-admits evicted requests) as soon as its
+   free-space count allows, and fills its KV region to its own small watermark; within one
+   10-second tick the running requests' growth then takes the last free units, and a step's
+   workspace finds no contiguous run: the fragmentation OOM, and after it the restart backlog
+   that makes the next one likelier. So while a node is at risk (any trigger, the structural
+   guard, EMERGENCY, an OOM, or a contiguity forecast that fails) the engine asks the node to hold
+   back from admission what the mode's strategy wants free: ``(1 - target_u_kv)·D`` minus the
+   engine's own reserve. The strategy's U_kv target is thereby enforced where the memory is
+   handed out, instead of by evicting the same requests again every tick. After
+   ``headroom_calm_ticks`` calm ticks the hold is released. It is a level, not a delta, so a
+   repeated or reordered command does no harm.
 
 Pure and deterministic: time is the tick's event time, no clock, no I/O. The service shell
 (``policy.service``) feeds it ticks from the bus and publishes what it returns.
@@ -51,7 +56,8 @@ class EngineConfig:
     budget_f_ext: float = 0.5  # the budget debits seconds above this F_ext
     dynamic_units: int | None = None  # D when the ticks do not carry it
     unit_tokens: int = 4
-    headroom_units: int = 0  # admission hold while at risk (0: never hold)
+    engine_reserve_units: int = 0  # what the engine keeps free by itself (watermark + one step's workspace)
+    use_headroom: bool = True
     headroom_calm_ticks: int = 6
     headroom_refresh_s: float = 60.0  # re-send the current hold this often (acks may be lost)
 
@@ -151,15 +157,20 @@ class PolicyEngine:
                     f"under the {wanted:.0f} one full step needs")
         return None
 
+    def headroom_units(self, mode: Mode) -> int:
+        """The admission hold that keeps ``(1 - target_u_kv)`` of D free in ``mode``."""
+        d = self.config.dynamic_units or 0
+        target = self.strategy_for(mode).target_u_kv
+        return max(0, int((1.0 - target) * d) - self.config.engine_reserve_units)
+
     def _headroom(self, view: NodeView, mode: Mode, risk: str | None) -> int | None:
         """The admission hold to command now, or None to leave it as it is."""
-        units = self.config.headroom_units
-        if units <= 0:
+        if not self.config.use_headroom or not self.config.dynamic_units:
             return None
         held, last_ns = self._held.get(view.node, (0, view.ts_ns))
         if risk:
             self._calm[view.node] = 0
-            want = units * (2 if mode is Mode.EMERGENCY else 1)
+            want = self.headroom_units(mode)
         else:
             self._calm[view.node] = self._calm.get(view.node, 0) + 1
             want = 0 if self._calm[view.node] >= self.config.headroom_calm_ticks else held
