@@ -165,6 +165,7 @@ class StreamsWorker:
             ticks += new_ticks
             alerts += new_alerts
             applied.append((message.partition, node, batch.epoch, batch.seq, value, len(new_ticks)))
+            log.info("DBG handled %s seq %s p%s@%s ticks %d", node, batch.seq, message.partition, message.offset, len(new_ticks))
         await self.publish(ticks, alerts)
         for partition, node, epoch, seq, value, n_ticks in applied:
             self.remember(partition, node, epoch, seq, value, new_ticks=n_ticks)
@@ -188,6 +189,7 @@ class StreamsWorker:
         """Record the batch in the table: pending until the next checkpoint of this node."""
         index_key = _node_key(b"I", node)
         pending = json.loads(self.table.get(index_key) or b"[]")
+        log.info("DBG remember %s seq %s p%s pending %s", node, seq, partition, pending)
         done = self.ticks_since_checkpoint.get(node, 0) + new_ticks
         if done >= self.checkpoint_every_ticks:
             self._set(partition, _node_key(b"C", node), self.core.nodes[node].to_bytes())

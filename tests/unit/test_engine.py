@@ -210,3 +210,27 @@ def test_prompt_that_can_never_fit_is_rejected_not_crashed():
     fin = ev[ev["kind"] == EventKind.FINISH]
     assert list(fin["flags"]) == [Outcome.REJECTED]
     assert e.summary().ooms == 0
+
+
+def test_shipped_profiles_match_their_documented_sources():
+    from producers.profiles import default_profile_name, load_profile, profile_names
+
+    assert default_profile_name() == "llama3-8b-24gb"
+    assert {"llama3-8b-24gb", "llama3-8b-24gb-p16", "llama3-70b-tp8-80gb"} <= set(profile_names())
+    p8 = load_profile("llama3-8b-24gb")
+    assert p8.geometry.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2 == 131072
+    assert p8.geometry.page_classes == (1, 16) and p8.unit_tokens == 4
+    assert 40_000 < p8.capacity_tokens < 50_000  # ~6 GB of KV left on a 24 GB card
+    p70 = load_profile("llama3-70b-tp8-80gb")
+    assert p70.geometry.kv_bytes_per_token == 2 * 80 * 1 * 128 * 2  # one KV head per GPU at TP8
+    assert p70.step_seconds(0, 10) == pytest.approx(p70.step_base_s + 10 * p70.step_decode_seq_s)
+    assert p8.workspace_units(2048) == 512
+
+
+def test_bad_profiles_name_the_field():
+    from producers.profiles import ProfileError, load_profile
+
+    with pytest.raises(ProfileError, match="page_class_tokens"):
+        tiny_profile(page_class_tokens=(4, 24))
+    with pytest.raises(ProfileError, match="'name'"):
+        load_profile("no-such-gpu")

@@ -9,8 +9,8 @@ from policy.planner import NodeView
 S = 1_000_000_000
 
 
-def view(ts_s, psi, ooms=0):
-    return NodeView(node="n", ts_ns=int(ts_s * S), u_kv=psi * 0.9, f_ext=0.1, f_int=0.0, psi=psi,
+def view(ts_s, u_kv, ooms=0):
+    return NodeView(node="n", ts_ns=int(ts_s * S), u_kv=u_kv, f_ext=0.1, f_int=0.0, psi=u_kv * 1.3,
                     dynamic_units=1000, free_units=100, largest_free_run_units=100, ooms=ooms)
 
 
@@ -23,7 +23,7 @@ def test_an_oom_escalates_immediately():
 
 
 def test_rising_pressure_after_actions_escalates():
-    tracker = ModeTracker(ModeConfig(rising_ticks=3, escalate_psi=0.9))
+    tracker = ModeTracker(ModeConfig(rising_ticks=3, escalate_u_kv=0.9))
     tracker.observe(view(0, 0.90))
     tracker.note_action("n", 0)
     changes = [tracker.observe(view(10 * i, 0.90 + 0.02 * i)) for i in range(1, 4)]
@@ -32,12 +32,12 @@ def test_rising_pressure_after_actions_escalates():
 
 
 def test_rising_pressure_without_actions_does_not_escalate():
-    tracker = ModeTracker(ModeConfig(rising_ticks=3, escalate_psi=0.9))
+    tracker = ModeTracker(ModeConfig(rising_ticks=3, escalate_u_kv=0.9))
     assert all(tracker.observe(view(10 * i, 0.90 + 0.01 * i)) is None for i in range(6))
 
 
 def test_deescalates_after_calm_ticks_and_minimum_dwell():
-    cfg = ModeConfig(calm_ticks=3, deescalate_psi=0.7, min_emergency_s=60)
+    cfg = ModeConfig(calm_ticks=3, deescalate_u_kv=0.7, min_emergency_s=60)
     tracker = ModeTracker(cfg)
     tracker.observe(view(0, 0.5, ooms=1))
     # calm at once, but the dwell time holds the mode until 60 s
@@ -51,7 +51,7 @@ def test_deescalates_after_calm_ticks_and_minimum_dwell():
 def test_pressure_above_deescalation_line_keeps_emergency():
     tracker = ModeTracker(replace(ModeConfig(), calm_ticks=2, min_emergency_s=0))
     tracker.observe(view(0, 0.5, ooms=1))
-    assert all(tracker.observe(view(10 * i, 0.8)) is None for i in range(1, 10))
+    assert all(tracker.observe(view(10 * i, 0.9)) is None for i in range(1, 10))
     assert tracker.mode("n") is Mode.EMERGENCY
 
 

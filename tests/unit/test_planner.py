@@ -14,7 +14,7 @@ from policy.planner import (
     units_to_free,
     view_from_tick,
 )
-from policy.strategy import DEFAULT, EMERGENCY, Granularity, HandlingChoice, Selection, Strategy
+from policy.strategy import DEFAULT, EMERGENCY, Granularity, HandlingChoice, Selection, Timing, Trigger
 
 D = 10_000
 COST = CostModel()
@@ -40,12 +40,28 @@ def test_units_bring_u_kv_back_to_target():
     assert units_to_free(v, DEFAULT, PlannerConfig()) == pytest.approx((0.90 - DEFAULT.target_u_kv) * D, abs=1)
 
 
-def test_units_bring_psi_back_to_target_at_fixed_fragmentation():
-    # psi = base * (1 + 2*0.2 + 0.1) = base * 1.5
-    v = view(u_kv=0.6, f_ext=0.2, f_int=0.1, psi=0.96)
-    need = units_to_free(v, DEFAULT, PlannerConfig())
-    expected = (0.96 / 1.5 - DEFAULT.target_psi / 1.5) * D
+def test_units_bring_psi_back_to_target_at_the_fragmentation_compaction_leaves():
+    # psi = used * (1 + 2*0.2 + 0.1): used = 1.2 / 1.5 = 0.8 of D
+    v = view(u_kv=0.6, f_ext=0.2, f_int=0.1, psi=1.2)
+    strategy = replace(DEFAULT, target_psi=0.7)
+    need = units_to_free(v, strategy, PlannerConfig(compacted_f_ext=0.05))
+    expected = (1.2 / 1.5 - 0.7 / (1 + 2 * 0.05 + 0.1)) * D
     assert need == pytest.approx(expected, abs=1)
+
+
+def test_fragmentation_alone_does_not_make_psi_evict():
+    # Ψ over 1 only through F_ext: compaction, not eviction, is the cure
+    v = view(u_kv=0.6, f_ext=0.6, f_int=0.02, psi=(0.6 + 0.05) * (1 + 1.2 + 0.02))
+    assert units_to_free(v, DEFAULT, PlannerConfig()) == 0
+
+
+def test_queued_prefills_count_as_the_predicted_trajectory():
+    growing = cand(1, units=100, tokens=400, last_s=1)
+    growing = replace(growing, prompt_tokens=400 + 4 * 1500)  # 1500 more units to prefill
+    v = view(u_kv=0.70, psi=0.75, candidates=(growing,))
+    assert v.pending_prefill_units == 1500
+    expected = (0.70 + 1500 / D - DEFAULT.target_u_kv) * D
+    assert units_to_free(v, DEFAULT, PlannerConfig()) == pytest.approx(expected, abs=1)
 
 
 def test_forecast_counts_only_when_strategy_uses_prediction():
@@ -145,3 +161,94 @@ def test_view_from_a_tick_like_mapping():
     v = view_from_tick(tick)
     assert v.dynamic_units == 100 and v.p_oom == 0.7 and v.u_kv_forecast == (0.8, 0.85)
     assert v.candidates[0].generated_tokens == 12 and v.candidates[0].freeable_units == 6
+
+
+# -- the policy engine: the planner in context (modes, timing, headroom, signed commands) ------------
+
+from policy.commands import Action, Mode, verify  # noqa: E402
+from policy.engine import EngineConfig, PolicyEngine  # noqa: E402
+
+SECRET = b"s"
+
+
+def engine(**changes) -> PolicyEngine:
+    config = EngineConfig(planner=PlannerConfig(required_run_units=512), dynamic_units=D,
+                          engine_reserve_units=600, **changes)
+    return PolicyEngine(config, SECRET)
+
+
+def busy(ts_s=60, **changes) -> NodeView:
+    base = view(ts_ns=int(ts_s * 1e9), u_kv=0.80, f_ext=0.2, psi=0.9, free_units=1800,
+                largest_free_run_units=1500, candidates=tuple(cand(i, last_s=i) for i in range(1, 8)))
+    return replace(base, **changes)
+
+
+def test_calm_node_gets_no_commands():
+    assert engine().decide(view()).commands == []
+
+
+def test_contiguity_risk_holds_admission_headroom_and_compacts_with_signed_commands():
+    decision = engine().decide(busy(largest_free_run_units=300, f_ext=0.8))
+    actions = [c.action for c in decision.commands]
+    assert actions == [Action.HEADROOM, Action.COMPACT]
+    headroom = decision.commands[0]
+    assert headroom.units_needed == int((1 - DEFAULT.target_u_kv) * D) - 600
+    assert all(verify(c, SECRET) for c in decision.commands)
+    assert all(c.issued_at_ns == busy().ts_ns and c.node == "n0/gpu0" for c in decision.commands)
+    again = engine().decide(busy(largest_free_run_units=300, f_ext=0.8))
+    assert [c.id for c in again.commands] == [c.id for c in decision.commands], "ids are idempotency keys"
+
+
+def test_soft_trigger_needs_the_prediction_to_agree():
+    quiet = engine().decide(busy(u_kv=0.9))
+    assert not any(c.action is Action.EVICT for c in quiet.commands)
+    predicted = engine().decide(busy(u_kv=0.9, p_oom=0.8))
+    evict = [c for c in predicted.commands if c.action is Action.EVICT]
+    assert evict and evict[0].granularity is Granularity.BLOCK and "P(OOM" in evict[0].reason
+
+
+def test_hard_trigger_fires_on_the_threshold_alone():
+    hard = replace(DEFAULT, trigger=Trigger.HARD, threshold=0.85)
+    decision = engine(default=hard).decide(busy(u_kv=0.9))
+    assert any(c.action is Action.EVICT for c in decision.commands)
+
+
+def test_async_strategy_scans_once_per_interval():
+    e = engine()
+    first = e.decide(busy(ts_s=60, u_kv=0.9, p_oom=0.9))
+    second = e.decide(busy(ts_s=70, u_kv=0.9, p_oom=0.9))
+    later = e.decide(busy(ts_s=90, u_kv=0.9, p_oom=0.9))
+    assert any(c.action is Action.EVICT for c in first.commands)
+    assert not any(c.action is Action.EVICT for c in second.commands)
+    assert any(c.action is Action.EVICT for c in later.commands)
+
+
+def test_a_victim_is_not_targeted_again_while_the_tick_may_be_stale():
+    e = engine(default=replace(DEFAULT, timing=Timing.SYNC))
+    first = e.decide(busy(ts_s=60, u_kv=0.9, p_oom=0.9))
+    second = e.decide(busy(ts_s=70, u_kv=0.9, p_oom=0.9))
+    targets = lambda d: {t.req for c in d.commands if c.action is Action.EVICT for t in c.targets}  # noqa: E731
+    assert targets(first) and not targets(first) & targets(second)
+
+
+def test_an_oom_escalates_to_emergency_with_a_larger_hold():
+    e = engine()
+    decision = e.decide(busy(ooms=1))
+    assert decision.mode is Mode.EMERGENCY and decision.mode_change is not None
+    hold = [c for c in decision.commands if c.action is Action.HEADROOM][0]
+    assert hold.units_needed == int((1 - EMERGENCY.target_u_kv) * D) - 600
+    assert hold.mode is Mode.EMERGENCY and hold.variant == EMERGENCY.variant
+
+
+def test_headroom_is_released_after_calm_ticks():
+    e = engine(headroom_calm_ticks=2)
+    e.decide(busy(ts_s=10, largest_free_run_units=300))
+    holds = [[c.units_needed for c in e.decide(view(ts_ns=int(t * 1e9))).commands if c.action is Action.HEADROOM]
+             for t in (20, 30, 40)]
+    assert holds == [[], [0], []]
+
+
+def test_low_fragmentation_budget_makes_compaction_kick_in_earlier():
+    v = busy(f_ext=0.55, largest_free_run_units=1500)
+    assert not any(c.action is Action.COMPACT for c in engine().decide(v, budget_remaining_frac=0.9).commands)
+    assert any(c.action is Action.COMPACT for c in engine().decide(v, budget_remaining_frac=0.1).commands)
