@@ -201,6 +201,7 @@ async def run_actuators(bus: Any, settings: Any, actuators: Mapping[str, Actuato
                                               make_headers("acks", ack.node, record_id=ack.command_id))
                             if on_ack is not None:
                                 on_ack(ack)
-                await record.commit()
+            if records:
+                await subscription.commit()
     finally:
         await subscription.close()

@@ -58,6 +58,7 @@ class EngineConfig:
     unit_tokens: int = 4
     engine_reserve_units: int = 0  # what the engine keeps free by itself (watermark + one step's workspace)
     use_headroom: bool = True
+    headroom_from_u_kv: float = 0.5  # a busy node holds headroom already; 1.0: only when at risk
     headroom_calm_ticks: int = 6
     headroom_refresh_s: float = 60.0  # re-send the current hold this often (acks may be lost)
 
@@ -135,7 +136,9 @@ class PolicyEngine:
             for victim in the_plan.victims:
                 recent[victim.req] = view.ts_ns
         at_risk = reason or risk or (f"{view.ooms} OOM(s) in the last tick" if view.ooms else None) or (
-            "emergency mode" if mode is Mode.EMERGENCY else None)
+            "emergency mode" if mode is Mode.EMERGENCY else None) or (
+            f"busy: u_kv {view.u_kv:.2f} >= {self.config.headroom_from_u_kv}"
+            if view.u_kv >= self.config.headroom_from_u_kv else None)
         decision.reason, decision.plan = at_risk, the_plan
         headroom = self._headroom(view, mode, at_risk)
         decision.commands = self._commands(view, strategy, mode, the_plan, headroom, at_risk or "pressure fell")

@@ -116,13 +116,15 @@ class PolicyService:
         subscription = self.bus.subscribe([self.settings.topics.name("metrics")], group)
         try:
             while stop is None or not stop.is_set():
-                for record in await subscription.getmany(max_records=512, timeout_s=poll_s):
+                records = await subscription.getmany(max_records=512, timeout_s=poll_s)
+                for record in records:
                     if await decoder.decode("metrics", record) is not None:
                         out = self.handle_tick(orjson.loads(record.value))
                         await self.publish(out)
                         if on_output is not None:
                             on_output(out)
-                    await record.commit()
+                if records:
+                    await subscription.commit()
         finally:
             await subscription.close()
 

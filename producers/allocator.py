@@ -20,6 +20,7 @@ The allocator does not know what occupies the units: the pool keeps that.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from itertools import islice
 
 FITS = ("best", "first")
 
@@ -97,7 +98,23 @@ class FreeRunAllocator:
             return None
         k = self._k
         keys = self._keys
-        for i in range(bisect_left(keys, size * k), len(keys)):
+        i = bisect_left(keys, size * k)
+        if align == 1 and avoid is None:  # best fit: the first run long enough
+            start = keys[i] % k
+            return start, start
+        if avoid is None:  # _place inlined (the aligned page case)
+            for key in islice(keys, i, None):
+                run_size, start = divmod(key, k)
+                low = -(-start // align) * align
+                end = start + run_size
+                if low + size > end:
+                    continue
+                if low == start:
+                    return start, low
+                high = (end - size) // align * align
+                return start, (high if high + size == end else low)
+            return None
+        for i in range(i, len(keys)):
             run_size, start = divmod(keys[i], k)
             hit = self._place(start, run_size, size, align, avoid)
             if hit is not None:
@@ -140,6 +157,66 @@ class FreeRunAllocator:
             self._remove(end, right_size)
             end += right_size
         self._add(start, end - start)
+
+    def take_units(self, n: int) -> list[int]:
+        """Best-fit placement of ``n`` single-unit blocks, one after the other: the same offsets
+        as ``n`` calls of ``alloc(1)`` (``fit="best"`` only). The caller checks ``free_units >= n``
+        first; with single units that guarantees every placement succeeds.
+
+        Best fit for one unit is the first key (smallest run, lowest start), and what is left of
+        that run (one unit shorter) is again the smallest run, so it stays the first key: no bisect.
+        """
+        if self._starts is not None or n > self.free_units:
+            raise ValueError(f"take_units: {n} units with fit={self.fit!r} and {self.free_units} free units")
+        k = self._k
+        keys = self._keys
+        size_of = self._size_of
+        start_of_end = self._start_of_end
+        out = []
+        append = out.append
+        for _ in range(n):
+            key = keys[0]
+            size, start = divmod(key, k)
+            del size_of[start]
+            if size > 1:
+                size_of[start + 1] = size - 1
+                start_of_end[start + size] = start + 1
+                keys[0] = key - k + 1
+            else:
+                del start_of_end[start + 1]
+                del keys[0]
+            append(start)
+        self.free_units -= n
+        return out
+
+    def free_many(self, blocks) -> None:
+        """``free(offset, size)`` for every (offset, size) in ``blocks``: the free runs afterwards
+        are a function of the free units, so the order does not matter. The blocks must be
+        occupied (the pool frees only what it placed): no overlap check."""
+        if self._starts is not None:
+            for start, size in blocks:
+                self.free(start, size)
+            return
+        k = self._k
+        keys = self._keys
+        size_of = self._size_of
+        start_of_end = self._start_of_end
+        freed = 0
+        for start, size in blocks:
+            end = start + size
+            freed += size
+            left = start_of_end.pop(start, None)
+            if left is not None:
+                del keys[bisect_left(keys, (start - left) * k + left)]
+                start = left
+            right = size_of.pop(end, None)
+            if right is not None:
+                del keys[bisect_left(keys, right * k + end)]
+                end += right
+            start_of_end[end] = start
+            size_of[start] = end - start
+            insort(keys, (end - start) * k + start)
+        self.free_units += freed
 
     # ---- internals -----------------------------------------------------------------------
     @staticmethod

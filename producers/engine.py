@@ -264,8 +264,9 @@ class Engine:
         prefilling = [s for s in self._running if s.kv_tokens < s.target]
         if not prefilling and not self._admissible(now, budget - len(decode)):
             return self._fused_decode(decode, until_ns) if decode else False
-        scheduled_decode: list[_Seq] = []
-        for s in decode:
+        done = self._decode_batch(decode, 1, now)
+        scheduled_decode: list[_Seq] = decode[:done]
+        for s in decode[done:]:
             if s.state is not SeqState.RUNNING or self.down_until_ns > now:
                 continue  # preempted by an earlier allocation in this step, or crashed
             if self._decode_tokens(s, 1, now):
@@ -330,8 +331,9 @@ class Engine:
         else:
             k = 1
         k = max(1, k)
-        grown = []
-        for s in decode:
+        done = self._decode_batch(decode, k, now)
+        grown = decode[:done]
+        for s in decode[done:]:
             if s.state is not SeqState.RUNNING or self.down_until_ns > now:
                 continue
             if self._decode_tokens(s, k, now):
@@ -347,11 +349,15 @@ class Engine:
         if not self._run_step(now, len(grown), len(grown), duration, steps=k):
             return True
         end = now + duration
+        done = []
         for s in grown:
             s.generated += k
             s.last_step_ns = end
+            if s.generated >= s.max_out and s.kv_tokens >= s.target:
+                done.append(s)
         self.now_ns = end
-        self._finish_done(end)
+        # every running request is in ``grown`` (no prefill was pending), in running order
+        self._finish_done(end, done)
         return True
 
     def _run_step(self, now: int, batched: int, decode_seqs: int, duration: int, steps: int = 1) -> bool:
@@ -371,8 +377,11 @@ class Engine:
         self.steps += steps
         return True
 
-    def _finish_done(self, now: int) -> None:
-        done = [s for s in self._running if s.generated >= s.max_out and s.kv_tokens >= s.target]
+    def _finish_done(self, now: int, done: list[_Seq] | None = None) -> None:
+        """Release and record the running requests that are done (``done``: those, in running
+        order, when the caller already knows them)."""
+        if done is None:
+            done = [s for s in self._running if s.generated >= s.max_out and s.kv_tokens >= s.target]
         if not done:
             return
         for s in done:
@@ -427,6 +436,38 @@ class Engine:
             return hashes[step - 1::step]
         per = HASH_BLOCK_TOKENS // block
         return tuple(mix_hash(h, j) for h in hashes for j in range(per))
+
+    def _decode_batch(self, decode: list[_Seq], n: int, now: int) -> int:
+        """``_decode_tokens(s, n, now)`` for the leading requests of ``decode`` (all running), with
+        their page growth in one ``pool.grow_many`` call. Exact only where the one-by-one path
+        would neither preempt nor fail: so it runs when the free count covers every grow's upper
+        bound plus the workspace reserve, and stops where the pool stops (a grow that may share,
+        revive or fail). Returns how many of ``decode`` it handled; the caller does the rest one
+        by one, as before."""
+        growers = [s for s in decode if s.room < n]
+        if growers:
+            unit = self.unit_tokens
+            need = 0
+            for s in growers:
+                need += -(-(s.pending + n) // unit) + 1
+            if self._free_count() - need < self.ws_reserve_units:
+                return 0
+            grown = self.pool.grow_many([s.rid for s in growers], [s.pending + n for s in growers], now,
+                                        [s.hashes for s in growers])
+            stop = len(decode) if grown == len(growers) else decode.index(growers[grown])
+        else:
+            stop = len(decode)
+        small = self.small_page_tokens
+        for s in decode[:stop] if stop < len(decode) else decode:
+            if s.room >= n:
+                s.room -= n
+                s.pending += n
+                s.kv_tokens += n
+            else:
+                s.kv_tokens += n
+                s.pending = 0
+                s.room = -s.kv_tokens % small
+        return stop
 
     def _decode_tokens(self, s: _Seq, n: int, now: int) -> bool:
         """Decode tokens go into the room of the last page without a pool call; the pool hears of

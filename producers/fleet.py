@@ -19,7 +19,7 @@ from producers.workloads import Request, Workload
 
 def _route_least_loaded(engines: list[Engine], request: Request) -> int:
     loads = [e.outstanding_tokens() + (0 if e.down_until_ns <= e.now_ns else 1 << 40) for e in engines]
-    return int(np.argmin(loads))
+    return min(range(len(loads)), key=loads.__getitem__)  # the first least loaded, as np.argmin
 
 
 def _route_round_robin(engines: list[Engine], request: Request) -> int:

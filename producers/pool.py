@@ -66,8 +66,10 @@ from __future__ import annotations
 
 import heapq
 import json
+from bisect import bisect_left, insort
 import os
 from collections import OrderedDict
+from itertools import chain
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -97,6 +99,8 @@ _LIVE, _CACHED, _RETAINED, _FREED = PageState.LIVE, PageState.CACHED, PageState.
 _EVICTED_STATE = {Handling.RECOMPUTE: PageState.DROPPED, Handling.SWAP: PageState.SWAPPED,
                   Handling.CHECKPOINT: PageState.CHECKPOINTED, Handling.RETAIN: PageState.RETAINED}
 _MASK64 = (1 << 64) - 1
+_COLS = EVENT_DTYPE.names
+_N_COLS = len(_COLS)
 
 
 def _chain_key(parent: int, block_hash) -> int:
@@ -233,6 +237,8 @@ class PagedPool:
         self.block_tokens = classes[-1] * geometry.unit_tokens
         self._large_cls = len(classes) - 1
         self._small_tokens = classes[0] * geometry.unit_tokens
+        # single-unit small pages with best fit: ``grow`` places them without a plan (_grow_small)
+        self._unit_pages = classes[0] == 1 and fit == "best"
         self._alloc = FreeRunAllocator(geometry.dynamic_units, fit)
         self._store = CheckpointStore(checkpoint_dir, node)
         self._events: list[tuple] = []
@@ -275,8 +281,13 @@ class PagedPool:
             self._flush_fill()
         if not self._events:
             return empty_events(0)
-        out = np.array(self._events, dtype=EVENT_DTYPE)
-        self._events.clear()
+        rows = self._events
+        n = len(rows)
+        flat = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=n * _N_COLS).reshape(n, _N_COLS)
+        self._events = []
+        out = np.empty(n, dtype=EVENT_DTYPE)
+        for i, name in enumerate(_COLS):
+            out[name] = flat[:, i]
         return out
 
     def record_event(self, kind: EventKind | int, now_ns: int, *, req: int = -1, cls: int = 0, flags: int = 0,
@@ -312,7 +323,21 @@ class PagedPool:
         if fill == n_tokens:
             self._fill(table, last, fill, now_ns)
             return
-        plan = self._plan(table, table.n_tokens + fill, n_tokens - fill)
+        pos, rest = table.n_tokens + fill, n_tokens - fill
+        if self._unit_pages and pos % self._small_tokens == 0:
+            block = self.block_tokens
+            if self._large_cls:  # no large page: no block boundary with a whole block after it
+                simple = pos + rest < -(-pos // block) * block + block
+            else:  # every page starts on a block: none may have a hash
+                simple = pos // block >= len(table.hashes)
+            if simple and -(-rest // self._small_tokens) <= self._alloc.free_units:
+                if fresh:
+                    self._tables[req] = table
+                if fill:
+                    self._fill(table, last, fill, now_ns)
+                self._grow_small(table, req, rest, now_ns)
+                return
+        plan = self._plan(table, pos, rest)
         offsets = self._place_all(plan)
         if offsets is None:
             self._refuse(req, plan, now_ns, record_failure, "pages")
@@ -325,6 +350,98 @@ class PagedPool:
                 self._new_live_page(offset, cls, tokens, key, req, now_ns, _ALLOC)
             table.entries.append(page)
             table.n_tokens += tokens
+
+    def _grow_small(self, table: _Table, req: int, rest: int, now_ns: int) -> None:
+        """The common case of ``grow`` (decode growth, prompt tails): ``rest`` tokens into new
+        unhashed single-unit small pages, enough free units known to be there. Same pages, offsets
+        and rows as the general path (``_plan`` + ``_place_all`` + ``_new_live_page``), inlined."""
+        small = self._small_tokens
+        total = rest
+        n = -(-rest // small)
+        if self._pending_fill:
+            self._flush_fill()
+        pages, page_end, entries = self._pages, self._page_end, table.entries
+        append = self._events.append
+        # FreeRunAllocator.take_units inlined: best fit for one unit is the first key, and what
+        # is left of its run stays the first key
+        alloc = self._alloc
+        keys, size_of, start_of_end, k = alloc._keys, alloc._size_of, alloc._start_of_end, alloc._k
+        for _ in range(n):
+            key = keys[0]
+            size, offset = divmod(key, k)
+            del size_of[offset]
+            if size > 1:
+                size_of[offset + 1] = size - 1
+                start_of_end[offset + size] = offset + 1
+                keys[0] = key - k + 1
+            else:
+                del start_of_end[offset + 1]
+                del keys[0]
+            tokens = small if rest > small else rest
+            rest -= tokens
+            page = _Page(offset, 1, 0, tokens, None, req)
+            pages[offset] = page
+            page_end[offset + 1] = page
+            entries.append(page)
+            append((now_ns, _ALLOC, 0, 0, req, offset, 1, tokens, 0))
+        alloc.free_units -= n
+        self.live_units += n
+        table.n_tokens += total
+        self.tokens_stored += total
+
+    def grow_many(self, reqs: Sequence[int], n_tokens: Sequence[int], now_ns: int,
+                  block_hashes: Sequence[Sequence] | None = None) -> int:
+        """``grow(reqs[i], n_tokens[i], now_ns, block_hashes[i])`` for i = 0, 1, ... in order (one
+        engine step's decode growth in one call), while each grow is the simple kind: the request
+        already has pages, and its new tokens fit the free room of its last page plus new
+        single-unit, unhashed small pages that the free units can hold (so nothing is shared or
+        revived, and ``free_units`` drops by exactly the new pages). Stops before the first grow
+        that is not: that one and the rest are left untouched, nothing recorded for them (grow
+        them one by one). Returns how many grew. Same state and rows as the single grows."""
+        for n in n_tokens:
+            if n < 0:
+                raise ValueError(f"n_tokens: expected >= 0, got {n}")
+        if not self._unit_pages:
+            return 0
+        tables, alloc = self._tables, self._alloc
+        unit, small, block, large = self.unit_tokens, self._small_tokens, self.block_tokens, self._large_cls
+        for i, req in enumerate(reqs):
+            n = n_tokens[i]
+            if n == 0:
+                continue
+            table = tables.get(req)
+            if table is None:
+                return i
+            if block_hashes is not None and block_hashes[i]:
+                self._set_hashes(table, block_hashes[i])
+            last = table.entries[-1] if table.entries else None
+            fill = 0
+            if type(last) is _Page:
+                fill = last.size * unit - last.tokens
+                if fill > n:
+                    fill = n
+            pos, rest = table.n_tokens + fill, n - fill
+            if rest:
+                if pos % small:
+                    return i
+                if large:
+                    if pos + rest >= -(-pos // block) * block + block:
+                        return i
+                elif pos // block < len(table.hashes):
+                    return i
+                if -(-rest // small) > alloc.free_units:
+                    return i
+            if fill:  # _fill inlined
+                last.tokens += fill
+                table.n_tokens += fill
+                self.tokens_stored += fill
+                self._pending_fill += fill
+                self._pending_fill_ts = now_ns
+                if last.key is not None and last.tokens == last.size * unit:
+                    self._register(last)
+            if rest:
+                self._grow_small(table, req, rest, now_ns)
+        return len(reqs)
 
     def can_grow(self, req: int, n_tokens: int, block_hashes: Sequence = ()) -> bool:
         """Whether ``grow(req, n_tokens, block_hashes=...)`` would succeed now. Records nothing."""
@@ -348,13 +465,50 @@ class PagedPool:
         table = self._tables.pop(req, None)
         if table is None:
             return 0
-        freed = 0
+        # The common page (held by req alone, unhashed) is freed inline: the same rows and free
+        # runs as ``_drop_ref``, with ``FreeRunAllocator.free_many`` inlined (best fit: no list
+        # of starts to keep).
+        freed = tokens = units = 0
+        append = self._events.append
+        pages, page_end = self._pages, self._page_end
+        alloc = self._alloc
+        inline = alloc._starts is None
+        keys, size_of, start_of_end, k = alloc._keys, alloc._size_of, alloc._start_of_end, alloc._k
         for entry in reversed(table.entries):
             if type(entry) is _Page:
-                freed += self._drop_ref(entry, req, now_ns, cache_prefix)
+                holders = entry.holders
+                if inline and entry.key is None and len(holders) == 1 and holders[0] == req:
+                    start, size, n = entry.offset, entry.size, entry.tokens
+                    holders.clear()
+                    entry.state = _FREED
+                    del pages[start]
+                    end = start + size
+                    del page_end[end]
+                    units += size
+                    tokens += n
+                    if self._pending_fill:
+                        self._flush_fill()
+                    append((now_ns, _FREE, entry.cls, 0, req, start, size, n, 0))
+                    left = start_of_end.pop(start, None)
+                    if left is not None:
+                        del keys[bisect_left(keys, (start - left) * k + left)]
+                        start = left
+                    right = size_of.pop(end, None)
+                    if right is not None:
+                        del keys[bisect_left(keys, right * k + end)]
+                        end += right
+                    start_of_end[end] = start
+                    size_of[start] = end - start
+                    insort(keys, (end - start) * k + start)
+                else:
+                    freed += self._drop_ref(entry, req, now_ns, cache_prefix)
             else:
                 freed += self._discard_evicted(entry, req, now_ns)
-        return freed
+        if units:
+            alloc.free_units += units
+            self.live_units -= units
+            self.tokens_stored -= tokens
+        return freed + units
 
     def reclaim_cached(self, units_needed: int, now_ns: int) -> int:
         """Drop least recently used cached pages until ``units_needed`` units are freed (or none
@@ -737,12 +891,22 @@ class PagedPool:
         order = sorted((i for i, p in enumerate(plan) if p[3] is None), key=lambda i: -plan[i][0])
         offsets = [-1] * len(plan)
         done = []
-        for i in order:
-            size = classes[plan[i][0]]
-            offset = self._alloc.alloc(size, size)
+        alloc = self._alloc
+        for n, i in enumerate(order):
+            cls = plan[i][0]
+            if cls == 0 and self._unit_pages:
+                # the rest are single-unit small pages: placed one after the other, best fit
+                rest = order[n:]
+                if len(rest) <= alloc.free_units:
+                    for j, offset in zip(rest, alloc.take_units(len(rest))):
+                        offsets[j] = offset
+                    return offsets
+                offset = None
+            else:
+                size = classes[cls]
+                offset = alloc.alloc(size, size)
             if offset is None:
-                for j in reversed(done):
-                    self._alloc.free(offsets[j], classes[plan[j][0]])
+                alloc.free_many([(offsets[j], classes[plan[j][0]]) for j in done])
                 return None
             offsets[i] = offset
             done.append(i)

@@ -13,10 +13,17 @@ table ``<app_id>-state`` holds, per node (keys are raw bytes):
   ticks of that node;
 - ``P|<node>|<epoch>|<seq>``: the raw record of each batch applied since that checkpoint (written
   once, so the changelog carries about the input volume), deleted at the next checkpoint;
-- ``I|<node>``: the list of those pending (epoch, seq) pairs (a few dozen small ints).
+- ``I|<node>``: ``{"offset": o, "pending": [[epoch, seq, offset], …]}``: those pending batches and
+  the events offset the checkpoint covers (a few dozen small ints).
 
 Records are handled in chunks (``max_records``): all batches of a chunk are applied, their
 outputs published with one wait for the broker, then the table is written.
+
+The consumer can skip a record (faust-streaming 0.15 drops a message whose delivery is cancelled
+when the flow is suspended during recovery/rebalance, and still marks it read; seen on Tansu at
+worker start). So a seq gap of a node is not taken at face value: the worker seeks the partition
+back to just after the node's last applied offset (kept with the state) and reads it again once;
+only a gap that survives the re-read marks the node unsynced (the core's own rule).
 
 A worker that meets a node it has no memory of (startup, a partition moved to it) rebuilds the
 node from the checkpoint and replays the pending batches, discarding their outputs (they were
@@ -105,6 +112,7 @@ class WorkerCounters:
     nodes_restored: int = 0
     batches_replayed: int = 0
     nodes_dropped: int = 0
+    rewinds: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -118,7 +126,8 @@ class StreamsWorker:
     """The agent's logic, kept apart from Faust's decorators so it reads (and tests) plainly."""
 
     def __init__(self, settings, config: StreamConfig, predictor: Predictor | None, *, table, metrics_topic,
-                 alerts_topic, dlq_topic, checkpoint_every_ticks: int = 6, app_id: str = DEFAULT_APP_ID):
+                 alerts_topic, dlq_topic, checkpoint_every_ticks: int = 6, app_id: str = DEFAULT_APP_ID,
+                 consumer=None):
         if checkpoint_every_ticks <= 0:
             raise ValueError(f"checkpoint_every_ticks must be > 0, got {checkpoint_every_ticks}")
         self.settings = settings
@@ -131,6 +140,12 @@ class StreamsWorker:
         self.app_id = app_id
         self.partition_of: dict[str, int] = {}
         self.ticks_since_checkpoint: dict[str, int] = {}
+        self.last_offset: dict[str, int] = {}  # events offset of each node's last applied batch
+        self.rewound: dict[str, tuple[int, int]] = {}  # node -> (epoch, seq) already re-read once
+        self.rewind_to: dict[int, list[int]] = {}  # partition -> [target offset, records skipped]
+        self.max_rewind_skip = 100_000
+        self.events_topic = settings.topics.name("events")
+        self.consumer = consumer or (lambda: None)
         self.counters = WorkerCounters()
 
     async def handle(self, events) -> None:
@@ -144,6 +159,8 @@ class StreamsWorker:
             message = event.message
             value = event.value
             self.counters.records += 1
+            if self._skip_for_rewind(message.partition, message.offset):
+                continue
             headers = _header_pairs(message.headers)
             try:
                 batch = decode_batch(value, headers)
@@ -155,6 +172,8 @@ class StreamsWorker:
             st = self.core.nodes.get(node)
             if st is None:
                 st = self.restore(node)
+            if self._missed_batches(node, st, batch) and await self._rewind(node, message.partition):
+                continue
             duplicates = st.duplicates
             new_ticks, new_alerts = self.core.process(batch)
             if st.duplicates != duplicates:
@@ -164,11 +183,50 @@ class StreamsWorker:
             self.counters.events += len(batch)
             ticks += new_ticks
             alerts += new_alerts
-            applied.append((message.partition, node, batch.epoch, batch.seq, value, len(new_ticks)))
-            log.info("DBG handled %s seq %s p%s@%s ticks %d", node, batch.seq, message.partition, message.offset, len(new_ticks))
+            self.last_offset[node] = message.offset
+            applied.append((message.partition, message.offset, node, batch.epoch, batch.seq, value, len(new_ticks)))
         await self.publish(ticks, alerts)
-        for partition, node, epoch, seq, value, n_ticks in applied:
-            self.remember(partition, node, epoch, seq, value, new_ticks=n_ticks)
+        for partition, offset, node, epoch, seq, value, n_ticks in applied:
+            self.remember(partition, offset, node, epoch, seq, value, new_ticks=n_ticks)
+
+    def _missed_batches(self, node: str, st: NodeState, batch) -> bool:
+        """A seq gap the worker may have caused itself (the consumer skipped a record): the
+        node's batches after its last applied offset are read again once per gap."""
+        if st.epoch is None or batch.epoch != st.epoch or batch.seq <= st.seq + 1:
+            return False
+        return node in self.last_offset and self.rewound.get(node) != (st.epoch, st.seq)
+
+    async def _rewind(self, node: str, partition: int) -> bool:
+        """Seek ``partition`` back to just after ``node``'s last applied record; skip this
+        partition's records until the re-read reaches that offset. False when seeking failed."""
+        from faust.types import TP
+
+        st = self.core.nodes[node]
+        target = self.last_offset[node] + 1
+        try:
+            await self.consumer().seek(TP(self.events_topic, partition), target)
+        except Exception as exc:  # the gap then stays a gap: the core marks the node unsynced
+            log.warning("node %s: could not seek %s/%d to %d: %s", node, self.events_topic, partition, target, exc)
+            return False
+        self.rewound[node] = (st.epoch, st.seq)
+        self.rewind_to[partition] = [target, 0]
+        self.counters.rewinds += 1
+        log.warning("node %s: seq gap after %d; re-reading %s/%d from offset %d", node, st.seq,
+                    self.events_topic, partition, target)
+        return True
+
+    def _skip_for_rewind(self, partition: int, offset: int) -> bool:
+        """After a rewind, records of the partition already in flight are skipped until the
+        re-read reaches the target offset (they come again)."""
+        waiting = self.rewind_to.get(partition)
+        if waiting is None:
+            return False
+        target, skipped = waiting
+        if offset == target or skipped >= self.max_rewind_skip:
+            del self.rewind_to[partition]
+            return False
+        waiting[1] += 1
+        return True
 
     async def publish(self, ticks, alerts) -> None:
         futures = []
@@ -185,24 +243,30 @@ class StreamsWorker:
         self.counters.ticks += len(ticks)
         self.counters.alerts += len(alerts)
 
-    def remember(self, partition: int, node: str, epoch: int, seq: int, raw: bytes, *, new_ticks: int) -> None:
-        """Record the batch in the table: pending until the next checkpoint of this node."""
+    def remember(self, partition: int, offset: int, node: str, epoch: int, seq: int, raw: bytes, *,
+                 new_ticks: int) -> None:
+        """Record the batch in the table: pending until the next checkpoint of this node. The index
+        keeps the events offset of what the state covers (for rewinds after a restore)."""
         index_key = _node_key(b"I", node)
-        pending = json.loads(self.table.get(index_key) or b"[]")
-        log.info("DBG remember %s seq %s p%s pending %s", node, seq, partition, pending)
+        index = self._index(node)
         done = self.ticks_since_checkpoint.get(node, 0) + new_ticks
         if done >= self.checkpoint_every_ticks:
+            # the core's state covers the whole chunk, so the newest applied offset of the node
             self._set(partition, _node_key(b"C", node), self.core.nodes[node].to_bytes())
-            for e, s in pending:
+            for e, s, _ in index["pending"]:
                 self._delete(partition, _node_key(b"P", node, e, s))
-            self._set(partition, index_key, b"[]")
+            self._set(partition, index_key, json.dumps({"offset": self.last_offset[node], "pending": []}).encode())
             self.ticks_since_checkpoint[node] = 0
             self.counters.checkpoints += 1
             return
         self._set(partition, _node_key(b"P", node, epoch, seq), bytes(raw))
-        pending.append([epoch, seq])
-        self._set(partition, index_key, json.dumps(pending).encode())
+        index["pending"].append([epoch, seq, offset])
+        self._set(partition, index_key, json.dumps(index).encode())
         self.ticks_since_checkpoint[node] = done
+
+    def _index(self, node: str) -> dict:
+        raw = self.table.get(_node_key(b"I", node))
+        return json.loads(raw) if raw else {"offset": None, "pending": []}
 
     def _set(self, partition: int, key: bytes, value: bytes) -> None:
         """Table write to the changelog partition of the record that caused it (the events are
@@ -224,13 +288,17 @@ class StreamsWorker:
             core.nodes[node] = NodeState.from_bytes(checkpoint, core.config,
                                                     with_predictor=core.predictor is not None)
         st = core.node_state(node)
-        pending = json.loads(self.table.get(_node_key(b"I", node)) or b"[]")
-        for epoch, seq in pending:
+        index = self._index(node)
+        pending = index["pending"]
+        if index["offset"] is not None:
+            self.last_offset[node] = index["offset"]
+        for epoch, seq, offset in pending:
             raw = self.table.get(_node_key(b"P", node, epoch, seq))
             if raw is None:
                 log.warning("node %s: pending batch %s/%s missing from the state table", node, epoch, seq)
                 continue
             core.process(decode_batch(raw))
+            self.last_offset[node] = offset
             self.counters.batches_replayed += 1
         self.ticks_since_checkpoint[node] = 0
         if checkpoint is not None or pending:
@@ -240,9 +308,13 @@ class StreamsWorker:
 
     def drop_partitions(self, partitions: set[int]) -> None:
         """Forget nodes of revoked partitions: their next owner continues from the table."""
+        for partition in partitions:
+            self.rewind_to.pop(partition, None)
         for node in [n for n, p in self.partition_of.items() if p in partitions]:
             self.core.nodes.pop(node, None)
             self.partition_of.pop(node, None)
+            self.last_offset.pop(node, None)
+            self.rewound.pop(node, None)
             self.ticks_since_checkpoint.pop(node, None)
             self.counters.nodes_dropped += 1
 
@@ -307,7 +379,8 @@ def build_app(settings, *, predictor: Predictor | None = None, app_id: str = DEF
     table = app.Table(TABLE_NAME, default=None, partitions=events_partitions, key_type=bytes, value_type=bytes)
     worker = StreamsWorker(settings, config or StreamConfig.from_settings(settings.streams, settings.predictor),
                            predictor, table=table, metrics_topic=metrics, alerts_topic=alerts, dlq_topic=dlq,
-                           checkpoint_every_ticks=checkpoint_every_ticks, app_id=app_id)
+                           checkpoint_every_ticks=checkpoint_every_ticks, app_id=app_id,
+                           consumer=lambda: app.consumer)
 
     @app.agent(events, name="kvguard-streams-events")
     async def process_events(stream):

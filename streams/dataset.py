@@ -260,48 +260,50 @@ def _grid(workloads: dict[str, tuple[float, ...]], seeds: tuple[int, ...], split
 # to a crash loop), so the data holds calm hours, sporadic OOMs and crash loops. Trace workloads
 # with recorded arrivals (Azure, Mooncake) replay identically for every seed, so they vary by rate
 # instead; Poisson-arrival workloads (ShareGPT lengths, scenarios) vary by seed too.
-TRAIN_RUNS = {
-    "azure-code": ((0.22, 0.25, 0.28, 0.31, 0.34, 0.37, 0.4, 0.45), (0,)),
-    "sharegpt-sample": ((0.12, 0.15, 0.2), (0, 1, 2)),
-    "mixed": ((0.22, 0.25, 0.3), (0, 1, 2)),
-    "sessions": ((0.05, 0.07, 0.1), (0, 1)),
-    "rag": ((0.02, 0.03, 0.05), (0, 1)),
-}
-VAL_RUNS = {
-    "azure-code": ((0.265, 0.33, 0.42), (0,)),
-    "sharegpt-sample": ((0.15, 0.2), (3,)),
-    "mixed": ((0.25, 0.3), (3,)),
-    "sessions": ((0.07,), (3,)),
-    "rag": ((0.03,), (3,)),
-}
+BIG = "llama3-70b-tp8-80gb"
+SMALL = "llama3-8b-24gb"
+TRAIN_RUNS = [  # (workload, rate scales, seeds, profile)
+    ("azure-code", (0.22, 0.25, 0.28, 0.31, 0.34, 0.37, 0.4, 0.45), (0,), SMALL),
+    ("sharegpt-sample", (0.12, 0.15, 0.2), (0, 1, 2), SMALL),
+    ("mixed", (0.22, 0.25, 0.3), (0, 1, 2), SMALL),
+    ("sessions", (0.05, 0.07, 0.1), (0, 1, 2), SMALL),
+    ("rag", (0.02, 0.03, 0.05), (0, 1, 2), SMALL),
+    ("sessions", (1.0, 1.5), (0, 1), BIG),
+    ("rag", (0.5, 0.8), (0, 1), BIG),
+    ("mixed", (1.5,), (0,), BIG),
+]
+VAL_RUNS = [
+    ("azure-code", (0.265, 0.33, 0.42), (0,), SMALL),
+    ("sharegpt-sample", (0.15, 0.2), (3,), SMALL),
+    ("mixed", (0.25, 0.3), (3,), SMALL),
+    ("sessions", (0.07,), (3,), SMALL),
+    ("rag", (0.03,), (3,), SMALL),
+    ("sessions", (1.2,), (3,), BIG),
+    ("rag", (0.6,), (3,), BIG),
+]
 # Held out of training and validation entirely: another Azure service (conversation) and Mooncake's
-# long prompts with prefix reuse, the latter also on a GPU profile absent from training.
+# long prompts with prefix reuse.
 TEST_RUNS = [
-    ("azure-conv", (0.4, 0.43, 0.45, 0.5), "llama3-8b-24gb"),
-    ("mooncake-sample", (0.01,), "llama3-8b-24gb"),
-    ("mooncake-sample", (0.06, 0.1), "llama3-70b-tp8-80gb"),
+    ("azure-conv", (0.4, 0.43, 0.45, 0.5), (0,), SMALL),
+    ("mooncake-sample", (0.01,), (0,), SMALL),
+    ("mooncake-sample", (0.06, 0.1), (0,), BIG),
 ]
 HELD_OUT_WORKLOADS = ("azure-conv", "mooncake-sample")
 
 
-def _grid(runs: dict, split: str, duration_s: float) -> list[RunSpec]:
-    return [RunSpec(w, rate_scale=r, seed=s, duration_s=duration_s, split=split)
-            for w, (rates, seeds) in runs.items() for r in rates for s in seeds]
-
-
-def _test(duration_s: float) -> list[RunSpec]:
-    return [RunSpec(w, rate_scale=r, profile=p, seed=0, duration_s=duration_s, split="test")
-            for w, rates, p in TEST_RUNS for r in rates]
+def _grid(runs: list, split: str, duration_s: float) -> list[RunSpec]:
+    return [RunSpec(w, rate_scale=r, profile=p, seed=s, duration_s=duration_s, split=split)
+            for w, rates, seeds, p in runs for r in rates for s in seeds]
 
 
 def preset_shipped() -> list[RunSpec]:
     """The shipped model's data: one simulated hour per run; ``val`` calibrates the threshold."""
-    return _grid(TRAIN_RUNS, "train", 3600.0) + _grid(VAL_RUNS, "val", 3600.0) + _test(3600.0)
+    return _grid(TRAIN_RUNS, "train", 3600.0) + _grid(VAL_RUNS, "val", 3600.0) + _grid(TEST_RUNS, "test", 3600.0)
 
 
 def preset_small() -> list[RunSpec]:
     """The same runs at 30 minutes each, for trying changes quickly."""
-    return _grid(TRAIN_RUNS, "train", 1800.0) + _grid(VAL_RUNS, "val", 1800.0) + _test(1800.0)
+    return _grid(TRAIN_RUNS, "train", 1800.0) + _grid(VAL_RUNS, "val", 1800.0) + _grid(TEST_RUNS, "test", 1800.0)
 
 
 def preset_tiny() -> list[RunSpec]:

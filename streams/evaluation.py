@@ -15,6 +15,9 @@ Definitions (kept here so the numbers in a report can be traced to one place):
   node's previous OOM, so one long firing run is not credited to two crashes.
 - false alarm: a firing episode (maximal run of firing ticks) with no OOM in
   (t_start, t_end + horizon]. Rate = false episodes / observed node-hours.
+- isolated OOM: one with no OOM on the same node in the ``isolation_s`` (600 s) before it. In a
+  crash loop (OOM, restart, OOM again a minute later) no tier can warn longer than the gap since
+  the previous crash, so lead times are also reported over isolated OOMs alone.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 
 NS_PER_S = 1_000_000_000
 DEFAULT_HORIZON_S = 300.0
+DEFAULT_ISOLATION_S = 600.0
 
 
 def labels_for_ticks(ts_ns: np.ndarray, oom_ts_ns: np.ndarray, horizon_s: float = DEFAULT_HORIZON_S) -> np.ndarray:
@@ -139,6 +143,13 @@ def lead_times_s(ts_ns: np.ndarray, firing: np.ndarray, oom_ts_ns: np.ndarray) -
     return leads
 
 
+def isolated_ooms(oom_ts_ns: np.ndarray, isolation_s: float = DEFAULT_ISOLATION_S) -> np.ndarray:
+    """Per OOM (in ascending time order), True when no earlier OOM of the node is within ``isolation_s``."""
+    ooms = np.sort(np.asarray(oom_ts_ns, dtype=np.int64))
+    gaps = np.diff(ooms, prepend=np.iinfo(np.int64).min // 2)
+    return gaps > int(isolation_s * NS_PER_S)
+
+
 def firing_episodes(firing: np.ndarray) -> list[tuple[int, int]]:
     """Maximal runs of firing ticks as (first index, last index) pairs."""
     f = np.asarray(firing, dtype=np.int8)
@@ -186,12 +197,18 @@ class EvaluationResult:
     ooms: int
     node_hours: float
     lead_times_s: dict[str, list[float]]
+    isolated: list[bool]
     false_alarms: dict[str, int]
     alarm_episodes: dict[str, int]
     roc: tuple[np.ndarray, np.ndarray] = field(repr=False, default=(np.zeros(0), np.zeros(0)))
 
     def lead_time_median_s(self) -> dict[str, float]:
         return {tier: float(np.median(v)) if v else float("nan") for tier, v in self.lead_times_s.items()}
+
+    def isolated_lead_time_median_s(self) -> dict[str, float]:
+        mask = np.asarray(self.isolated, dtype=bool)
+        return {tier: float(np.median(np.asarray(v)[mask])) if mask.any() else float("nan")
+                for tier, v in self.lead_times_s.items()}
 
     def recall_by_tier(self) -> dict[str, float]:
         """Share of OOMs each tier saw coming (lead > 0)."""
@@ -216,6 +233,8 @@ class EvaluationResult:
             "node_hours": round(self.node_hours, 4),
             "lead_time_median_s": {k: clean(v) for k, v in self.lead_time_median_s().items()},
             "lead_time_recall": {k: clean(v) for k, v in self.recall_by_tier().items()},
+            "isolated_ooms": int(np.sum(self.isolated)),
+            "isolated_lead_time_median_s": {k: clean(v) for k, v in self.isolated_lead_time_median_s().items()},
             "false_alarms_per_hour": {k: clean(v) for k, v in self.false_alarms_per_hour().items()},
             "alarm_episodes": dict(self.alarm_episodes),
         }
@@ -230,11 +249,13 @@ def evaluate_traces(traces: list[NodeTrace], tiers: tuple[str, ...] = ("threshol
     episodes = dict.fromkeys(tiers, 0)
     node_hours = 0.0
     ooms = 0
+    isolated: list[bool] = []
     for tr in traces:
         labels.append(labels_for_ticks(tr.ts_ns, tr.oom_ts_ns, horizon_s))
         scores.append(np.asarray(tr.p_oom, dtype=np.float64))
         node_hours += len(tr.ts_ns) * tr.tick_s / 3600.0
         ooms += len(tr.oom_ts_ns)
+        isolated.extend(isolated_ooms(tr.oom_ts_ns).tolist())
         for tier in tiers:
             fire = tr.firing.get(tier)
             if fire is None:
@@ -254,7 +275,7 @@ def evaluate_traces(traces: list[NodeTrace], tiers: tuple[str, ...] = ("threshol
         fpr, tpr = np.zeros(0), np.zeros(0)
     return EvaluationResult(auc=area, recall_at_fpr_5pct=recall, threshold_at_fpr_5pct=threshold,
                             ticks=int(y.size), positives=int(y.sum()), ooms=ooms, node_hours=node_hours,
-                            lead_times_s=leads, false_alarms=false, alarm_episodes=episodes, roc=(fpr, tpr))
+                            lead_times_s=leads, isolated=isolated, false_alarms=false, alarm_episodes=episodes, roc=(fpr, tpr))
 
 
 def plot_roc(result: EvaluationResult, path: str, title: str = "") -> None:

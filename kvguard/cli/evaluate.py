@@ -34,6 +34,8 @@ def eval_command(
     gpus: int = typer.Option(1, "--gpus", help="GPUs per simulated fleet."),
     data: Path = typer.Option(None, "--data", help="Score a saved dataset offline instead of simulating."),
     split: str = typer.Option("test", "--split", help="With --data: which split to score."),
+    mode: str = typer.Option("window", "--mode", help="With --data: 'window' (the stream's 180-tick windows) "
+                                                      "or 'stateful' (LSTMPredictor.step, one step per tick)."),
     report: Path = typer.Option(None, "--report", help="Directory for roc.png, lead_times.png and eval.json."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
@@ -56,7 +58,7 @@ def eval_command(
     traces: list[NodeTrace] = []
     runs_out = []
     if data is not None:
-        traces, runs_out, title = _offline(predictor, data, split, console)
+        traces, runs_out, title = _offline(predictor, data, split, mode)
     else:
         if not workload:
             typer.echo("error: give --workload (or --data)", err=True)
@@ -105,8 +107,8 @@ def eval_command(
         console.print_json(json.dumps(out))
 
 
-def _offline(predictor, data: Path, split: str, console):
-    """Score a saved dataset's split as the stream would (exact 180-tick windows)."""
+def _offline(predictor, data: Path, split: str, mode: str):
+    """Score a saved dataset's split as the stream would (exact 180-tick windows, or stateful)."""
     from streams.dataset import DatasetError, TickDataset
     from streams.training import score_dataset, traces_for
 
@@ -120,7 +122,10 @@ def _offline(predictor, data: Path, split: str, console):
     if list(ds.feature_names) != list(meta.feature_names):
         typer.echo(f"error: {data}: dataset features differ from the model's", err=True)
         raise typer.Exit(2)
-    scores = score_dataset(predictor.net, ds, ids, meta.normalisation, meta.window_ticks)
+    if mode not in ("window", "stateful"):
+        typer.echo(f"error: --mode {mode!r}: expected 'window' or 'stateful'", err=True)
+        raise typer.Exit(2)
+    scores = score_dataset(predictor.net, ds, ids, meta.normalisation, meta.window_ticks, mode)
     traces = traces_for(ds, ids, scores, meta.threshold, meta.resolve_after_s)
     runs = sorted({int(ds.seq_run[s]) for s in ids})
     runs_out = [{"run": ds.runs[r].get("key", ds.runs[r]["workload"]), "in_training": False} for r in runs]

@@ -1,1 +1,71 @@
-"""`kvguard policy`."""
+"""`kvguard policy`: the policy engine as a service on a bus.
+
+Consumes ``kvguard.metrics``, debits the fragmentation budget (Redis with ``--redis``, else in
+memory), decides, and publishes signed commands on ``kvguard.commands`` and mode changes and
+budget alerts on ``kvguard.alerts``. Runs until interrupted (or ``--max-seconds``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from kvguard.cli.app import app
+
+
+@app.command()
+def policy(
+    bus: str = typer.Option(None, "--bus", help="kafka://HOST:PORT (default: kafka.bootstrap from settings)."),
+    redis: str = typer.Option(None, "--redis", help="redis://… for the budget ledger (default: in memory)."),
+    profile: str = typer.Option(None, "--profile", help="Model/GPU profile of the nodes."),
+    group: str = typer.Option("kvguard-policy", "--group", help="Consumer group."),
+    max_seconds: float = typer.Option(None, "--max-seconds", help="Stop after this many wall seconds."),
+    config: Path = typer.Option(None, "--config", help="Settings file (TOML/JSON)."),
+    json_out: bool = typer.Option(False, "--json", help="On exit, print the counters as one JSON object."),
+) -> None:
+    """Run the policy engine: ticks in, signed commands out."""
+    import logging
+    import signal
+
+    from kvguard.bootstrap import BootstrapError, bootstrap, make_bus, make_ledger
+    from kvguard.settings import ConfigError, Settings
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    try:
+        settings = Settings.load(config)
+        carrier = make_bus(settings, bus or f"kafka://{settings.kafka.bootstrap}")
+        ledger = make_ledger(settings, redis)
+        graph = bootstrap(settings, bus=carrier, ledger=ledger, profile=profile, predictor=None,
+                          require_secret=True)
+    except (ConfigError, BootstrapError, ValueError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    service = graph.policy_service()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        if max_seconds is not None:
+            loop.call_later(max_seconds, stop.set)
+        await carrier.start()
+        typer.echo(f"kvguard policy: {settings.topics.name('metrics')} -> {settings.topics.name('commands')} "
+                   f"({'redis' if redis else 'memory'} budget ledger)", err=True)
+        try:
+            await service.run(group=group, stop=stop)
+        finally:
+            await carrier.stop()
+            ledger.close()
+
+    asyncio.run(main())
+    counters = {"ticks": service.ticks, "engine": service.engine.counters.as_dict(),
+                "mode_changes": [c.to_dict() for c in service.mode_changes]}
+    if json_out:
+        sys.stdout.write(json.dumps(counters) + "\n")
+    else:
+        typer.echo(json.dumps(counters["engine"]), err=True)

@@ -35,6 +35,7 @@ async def test_worker_recovers_node_state_from_the_changelog_after_sigkill(kafka
             await publish_batches(kafka_settings, log_batches[:half])
             worker.start()
             await out.until(lambda o: len(o.of("metrics")) >= first_ticks, what="first half's ticks")
+            await asyncio.sleep(4)  # past Faust's commit interval: offsets and changelog are on the broker
             worker.kill()
             await publish_batches(kafka_settings, log_batches[half:])
             worker.start()
@@ -86,5 +87,25 @@ async def test_bad_records_go_to_the_dlq_and_the_worker_lives_on(kafka_settings,
         reasons = sorted(json.loads(r.value)["reason"] for r in out.of("dlq"))
         assert reasons == ["malformed", "unknown_major"]
         assert tick_map(out.of("metrics"))[0] == expected
+    finally:
+        worker.stop()
+
+
+async def test_a_seq_gap_is_read_again_once_then_marks_the_node_unsynced(kafka_settings, log_batches):
+    lost = next(i for i, b in enumerate(log_batches) if b.node == "sim-0/gpu0" and b.seq == 8)
+    gapped = log_batches[:lost] + log_batches[lost + 1:]
+    expected, _ = expected_records(gapped)
+    assert any(not d["synced"] for d in expected.values())  # the embedded core sees the gap too
+    worker = WorkerProcess(kafka_settings, app_id())
+    try:
+        async with OutputReader(kafka_settings, "reader") as out:
+            await publish_batches(kafka_settings, gapped)
+            worker.start()
+            await out.until(lambda o: len(tick_map(o.of("metrics"))[0]) >= len(expected), what="every tick")
+            await out.settle()
+        assert tick_map(out.of("metrics"))[0] == expected
+        log_text = worker.log_text()
+        assert log_text.count("node sim-0/gpu0: seq gap after 7; re-reading") == 1
+        assert "seq gap 7 -> 9" in log_text
     finally:
         worker.stop()

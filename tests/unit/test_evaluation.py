@@ -133,6 +133,18 @@ def test_evaluate_traces_reports_per_tier_leads_and_alarms():
     assert result.node_hours == pytest.approx(2 * 400 * 10 / 3600)
 
 
+def test_isolated_ooms_have_no_crash_within_the_isolation_window_before_them():
+    ooms = np.array([100, 200, 900, 1000, 2000]) * S
+    assert ev.isolated_ooms(ooms, 600).tolist() == [True, False, True, False, True]
+
+
+def test_isolated_lead_times_are_reported_separately():
+    result = ev.evaluate_traces([make_trace(oom_at=(2000, 2100, 3500))])
+    d = result.to_dict()
+    assert d["isolated_ooms"] == 2
+    assert d["isolated_lead_time_median_s"]["lstm"] == 300.0
+
+
 def test_evaluate_traces_names_a_missing_tier():
     tr = make_trace()
     del tr.firing["slope"]

@@ -1,0 +1,123 @@
+"""The demo's report on disk: the comparison as JSON and Markdown, and plots.
+
+``write_report(directory, result, baseline, guarded)`` writes
+
+* ``summary.json`` — what ``kvguard demo --json`` prints;
+* ``report.md`` — the comparison table, the headline ratios, the workload and what kvguard did;
+* ``timeline.png`` — U_kv, F_ext and Ψ per GPU over time, baseline left, closed loop right, with
+  every OOM marked;
+* ``outcomes.png`` — OOMs, preemptions, goodput and TTFT p99 side by side.
+
+matplotlib is imported inside the function (Agg backend), never at import time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+ROWS = (("u_kv", 1, "U_kv"), ("f_ext", 2, "F_ext"), ("psi", 3, "Ψ"))
+TABLE_KEYS = ("requests", "completed", "failed", "ooms", "preemptions", "ttft_p50_s", "ttft_p99_s",
+              "tpot_p99_s", "goodput_tokens_per_s", "downtime_s")
+
+
+def write_report(directory: str | Path, result: dict, baseline: Any, guarded: Any) -> Path:
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    _timeline(out / "timeline.png", baseline, guarded)
+    _outcomes(out / "outcomes.png", result)
+    (out / "report.md").write_text(_markdown(result))
+    return out
+
+
+def _timeline(path: Path, baseline: Any, guarded: Any) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(ROWS), 2, figsize=(13, 8), sharex=True, squeeze=False)
+    for col, run in enumerate((baseline, guarded)):
+        for row, (_, index, label) in enumerate(ROWS):
+            ax = axes[row][col]
+            for node, points in sorted(run.series.items()):
+                ts = [p[0] / 60 for p in points]
+                ax.plot(ts, [p[index] for p in points], lw=0.8, label=node.split("/")[-1])
+                ooms = run.oom_times.get(node, [])
+                if ooms and row == 0:
+                    ax.plot([t / 60 for t in ooms], [1.02] * len(ooms), "rx", ms=6)
+            if row == 0:
+                total = sum(len(v) for v in run.oom_times.values())
+                ax.set_title(f"{'baseline engine' if col == 0 else 'kvguard closed loop'} "
+                             f"({total} ticks with an OOM, marked x)")
+            if index == 3:
+                ax.axhline(1.0, color="grey", lw=0.6, ls="--")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+        axes[-1][col].set_xlabel("simulated minutes")
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _outcomes(path: Path, result: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    b, g = result["baseline"], result["guarded"]
+    keys = (("ooms", "OOM crashes"), ("preemptions", "preemptions"),
+            ("goodput_tokens_per_s", "goodput (tok/s)"), ("ttft_p99_s", "TTFT p99 (s)"))
+    fig, axes = plt.subplots(1, len(keys), figsize=(13, 3.2))
+    for ax, (key, label) in zip(axes, keys):
+        values = [b.get(key) or 0, g.get(key) or 0]
+        bars = ax.bar(["baseline", "kvguard"], values, color=["#c44e52", "#4c72b0"])
+        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.set_title(label)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _markdown(result: dict) -> str:
+    b, g = result["baseline"], result["guarded"]
+    wl = result.get("workload", {})
+    lines = [
+        "# kvguard demo report",
+        "",
+        f"Workload `{wl.get('name')}` ×{wl.get('rate_scale')} for {wl.get('duration_s', 0) / 60:.0f} simulated "
+        f"minutes ({wl.get('requests')} requests, seed {wl.get('seed')}) on {b.get('gpus')} × "
+        f"`{result.get('profile')}`, {result.get('mode', 'embedded')} mode.",
+        "",
+        "| metric | baseline | kvguard |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {k} | {b.get(k)} | {g.get(k)} |" for k in TABLE_KEYS]
+    lines += [
+        "",
+        f"- OOM reduction: {_pct(result.get('oom_reduction'))}",
+        f"- preemption reduction: {_pct(result.get('preemption_reduction'))}",
+        f"- goodput ratio: {result.get('goodput_ratio')}",
+        f"- TTFT p99 ratio: {result.get('ttft_p99_ratio')}",
+        "",
+    ]
+    kv = g.get("kvguard") or {}
+    if kv:
+        lines += ["## What kvguard did", "", f"- prediction: {kv.get('predictor')}",
+                  f"- acks by action and outcome: `{json.dumps(kv.get('acks', {}))}`",
+                  f"- policy counters: `{json.dumps(kv.get('policy', {}))}`",
+                  f"- actuator counters: `{json.dumps(kv.get('actuators', {}))}`",
+                  f"- mode changes: {len(kv.get('mode_changes', []))}"]
+        lines += [f"  - {c['node']} at {c['ts_ns'] / 1e9:.0f} s: {c['from_mode']} → {c['to_mode']} ({c['reason']})"
+                  for c in kv.get("mode_changes", [])[:20]]
+        lines.append("")
+    lines += ["![timeline](timeline.png)", "", "![outcomes](outcomes.png)", ""]
+    return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a (the baseline had none)" if x is None else f"{x * 100:.1f} %"
