@@ -7,7 +7,8 @@ shadow-engine log (``--gpus`` GPUs, ``--seconds`` of event time, a batch per nod
 
 1. raw: an ``AIOKafkaConsumer`` reads every record (no decoding), timed from its first record to
    its last;
-2. faust: the kvguard Faust app (``streams.app.build_app``) started in this process consumes the
+2. faust no-op: a Faust agent that only counts the records (Faust's own ceiling here);
+3. faust: the kvguard Faust app (``streams.app.build_app``) started in this process consumes the
    same records, decodes, runs the core, publishes ticks/alerts and writes its changelog table,
    timed from the first record it handles to the last.
 
@@ -102,6 +103,38 @@ async def faust_consume(settings, n_records: int, app_id: str) -> tuple[float, f
         await app.stop()
 
 
+async def faust_noop_consume(settings, n_records: int, app_id: str) -> float:
+    """Faust's own ceiling here: an agent that only counts the records."""
+    import tempfile
+
+    import faust
+
+    app = faust.App(app_id, broker=f"kafka://{settings.kafka.bootstrap}", store="memory://",
+                    datadir=tempfile.mkdtemp(prefix="bench-noop-"), topic_allow_declare=False,
+                    consumer_auto_offset_reset="earliest", web_enabled=False,
+                    broker_session_timeout=settings.kafka.session_timeout_ms / 1000,
+                    broker_heartbeat_interval=settings.kafka.heartbeat_interval_ms / 1000)
+    topic = app.topic(settings.topics.name("events"), key_type=bytes, value_type=bytes,
+                      key_serializer="raw", value_serializer="raw")
+    seen = {"n": 0, "first": None}
+
+    @app.agent(topic)
+    async def count(stream):
+        async for chunk in stream.take_events(1000, within=0.05):
+            if seen["first"] is None:
+                seen["first"] = time.perf_counter()
+            seen["n"] += len(chunk)
+
+    await app.start()
+    try:
+        deadline = time.monotonic() + 300
+        while seen["n"] < n_records and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return time.perf_counter() - (seen["first"] or time.perf_counter())
+    finally:
+        await app.stop()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--gpus", type=int, default=8)
@@ -139,6 +172,12 @@ def main(argv=None) -> int:
         asyncio.run(publish(settings, batches))
         publish_s = time.perf_counter() - t0
         raw_s, raw_seen = asyncio.run(raw_consume(settings, len(batches)))
+        noop_app = f"kvguard-bench-noop-{uuid.uuid4().hex[:6]}"
+        from kvguard.bus.kafka import create_topics
+        from kvguard.settings import TopicSpec
+
+        asyncio.run(create_topics(settings, {f"{noop_app}-__assignor-__leader": TopicSpec(name="x", partitions=1)}))
+        noop_s = asyncio.run(faust_noop_consume(settings, len(batches), noop_app))
         faust_s, faust_cpu_s, counters = asyncio.run(faust_consume(settings, len(batches), app_id))
         raw_eps = n_events / raw_s if raw_s > 0 else None
         faust_eps = n_events / faust_s if faust_s > 0 else None
@@ -151,6 +190,7 @@ def main(argv=None) -> int:
             "publish_events_per_s": round(n_events / publish_s),
             "raw_aiokafka_events_per_s": round(raw_eps) if raw_eps else None,
             "raw_records_seen": raw_seen,
+            "faust_noop_agent_events_per_s": round(n_events / noop_s) if noop_s > 0 else None,
             "faust_events_per_s": round(faust_eps) if faust_eps else None,
             "faust_events_per_cpu_s": round(n_events / faust_cpu_s) if faust_cpu_s > 0 else None,
             "faust_to_raw_ratio": round(faust_eps / raw_eps, 3) if raw_eps and faust_eps else None,

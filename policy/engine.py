@@ -5,8 +5,8 @@ Per tick and node:
 1. ``ModeTracker.observe`` may switch the node between DEFAULT and EMERGENCY.
 2. The mode's strategy decides whether to look at all now (timing: sync = every tick,
    async = once per scan interval, predictive = every tick but only on the forecast) and whether
-   its trigger fires. In EMERGENCY the DEFAULT trigger still applies too: escalation makes the
-   engine act sooner and harder, never later.
+   its trigger fires (``trigger_reason``). EMERGENCY acts on every tick, evicts whole requests
+   picked by recovery cost, and holds a larger admission headroom (its U_kv target is lower).
 3. Independent of the strategy, a structural guard fires when the largest free run is shorter
    than one full engine step needs (its workspace buffer and a largest-class page): that is the
    fragmentation OOM about to happen, and compaction is cheap. When the node's fragmentation
@@ -17,8 +17,9 @@ Per tick and node:
    free-space count allows, and fills its KV region to its own small watermark; within one
    10-second tick the running requests' growth then takes the last free units, and a step's
    workspace finds no contiguous run: the fragmentation OOM, and after it the restart backlog
-   that makes the next one likelier. So while a node is at risk (any trigger, the structural
-   guard, EMERGENCY, an OOM, or a contiguity forecast that fails) the engine asks the node to hold
+   that makes the next one likelier. So while a node is busy (U_kv ≥ ``headroom_from_u_kv``) or
+   at risk (any trigger, the structural guard, EMERGENCY, an OOM, or a contiguity forecast that
+   fails) the engine asks the node to hold
    back from admission what the mode's strategy wants free: ``(1 - target_u_kv)·D`` minus the
    engine's own reserve. The strategy's U_kv target is thereby enforced where the memory is
    handed out, instead of by evicting the same requests again every tick. After

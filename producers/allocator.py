@@ -14,6 +14,10 @@ longer run always holds an aligned block.
 ``fit="first"`` (lowest offset that fits) also keeps a sorted list of run starts and scans it:
 O(runs) per allocation, offered for comparison, not for the hot path.
 
+``take_units``/``free_many`` do many single-unit placements or frees in one call (the pool's decode
+pages); the pool inlines the same loops on its hottest paths, touching ``_keys``, ``_size_of`` and
+``_start_of_end`` directly, so those three are the whole free-run state (best fit).
+
 The allocator does not know what occupies the units: the pool keeps that.
 """
 
@@ -187,6 +191,56 @@ class FreeRunAllocator:
                 del keys[0]
             append(start)
         self.free_units -= n
+        return out
+
+    def take_aligned(self, size: int, n: int) -> list[int] | None:
+        """``n`` blocks of ``size`` units aligned to ``size`` (a power of two), placed one after the
+        other: the same offsets as ``n`` calls of ``alloc(size, size)``, or None and nothing taken
+        when one of them does not fit (``fit="best"`` only).
+
+        Best fit scans the runs of at least ``size`` units in (size, start) order for the first
+        holding an aligned block. A run that could not hold one still cannot later in the batch
+        (the batch only takes), and every piece a placement leaves of ``size`` units or more starts
+        or ends on an aligned boundary, so it can. So each placement only scans on from the run
+        it last took, and compares with the smallest such piece: the misaligned runs are passed
+        once per batch instead of once per block."""
+        if self._starts is not None or size & (size - 1):
+            raise ValueError(f"take_aligned: size {size} with fit={self.fit!r}")
+        k = self._k
+        keys = self._keys
+        out: list[int] = []
+        pieces: list[int] = []  # keys of pieces >= size left by this batch, ascending
+        resume = size * k  # scan from here: the keys below it (but pieces) cannot hold a block
+        for _ in range(n):
+            hit = None
+            for key in islice(keys, bisect_left(keys, resume), None):
+                if pieces and pieces[0] < key:
+                    break
+                run_size, start = divmod(key, k)
+                low = -(-start // size) * size
+                if low + size <= start + run_size:
+                    hit = key
+                    break
+            if hit is None or (pieces and pieces[0] < hit):
+                if not pieces:
+                    self.free_many([(offset, size) for offset in out])
+                    return None
+                hit = pieces.pop(0)
+            else:
+                resume = hit
+            run_size, start = divmod(hit, k)
+            end = start + run_size
+            low = -(-start // size) * size
+            if low == start:
+                offset = low
+            else:
+                high = (end - size) // size * size
+                offset = high if high + size == end else low
+            self.take(start, offset, size)
+            out.append(offset)
+            for piece_start, piece_size in ((start, offset - start), (offset + size, end - offset - size)):
+                if piece_size >= size:
+                    insort(pieces, piece_size * k + piece_start)
         return out
 
     def free_many(self, blocks) -> None:

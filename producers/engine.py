@@ -22,7 +22,9 @@ row then covers the block (size/tokens/aux are the block's totals).
 Decode tokens that fit the free room of a request's last page are counted by the engine and
 reported to the pool (one FILL) when the next page is needed: pages are allocated exactly when
 their first token needs them, the per-token Python work is O(1), and the pool's ``tokens_stored``
-lags by less than one small page per request.
+lags by less than one small page per request. A step's decode growth goes to the pool in one
+``grow_many`` call whenever the free count shows that no request would be preempted
+(``_decode_batch``); otherwise request by request, with vLLM's recovery.
 
 Events: the pool records the memory rows; the engine adds ARRIVE, ADMIT, FINISH, PREEMPT, OOM and
 STEP rows in order. Time only comes from the workload and the step-time model, never a clock.
@@ -444,16 +446,21 @@ class Engine:
         bound plus the workspace reserve, and stops where the pool stops (a grow that may share,
         revive or fail). Returns how many of ``decode`` it handled; the caller does the rest one
         by one, as before."""
-        growers = [s for s in decode if s.room < n]
+        growers, rids, tokens, hashes = [], [], [], []
+        unit = self.unit_tokens
+        need = 0
+        for s in decode:
+            if s.room < n:
+                m = s.pending + n
+                need += -(-m // unit) + 1
+                growers.append(s)
+                rids.append(s.rid)
+                tokens.append(m)
+                hashes.append(s.hashes)
         if growers:
-            unit = self.unit_tokens
-            need = 0
-            for s in growers:
-                need += -(-(s.pending + n) // unit) + 1
             if self._free_count() - need < self.ws_reserve_units:
                 return 0
-            grown = self.pool.grow_many([s.rid for s in growers], [s.pending + n for s in growers], now,
-                                        [s.hashes for s in growers])
+            grown = self.pool.grow_many(rids, tokens, now, hashes)
             stop = len(decode) if grown == len(growers) else decode.index(growers[grown])
         else:
             stop = len(decode)

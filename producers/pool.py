@@ -56,7 +56,13 @@ ALLOC_FAIL, so one ordered stream per node); ``request_tokens``, ``request_units
 ``has_request``, ``requests``; ``utilization_split``; ``swap_used_units``, ``live_units``,
 ``cached_units``, ``retained_units``, ``workspace_units``, ``tokens_stored``, ``free_units``,
 ``largest_free_run`` (cheap attributes for hot paths; ``metrics()`` computes the floats);
-``page_at``; ``compact(..., runs_per_move=)``.
+``page_at``; ``compact(..., runs_per_move=)``; ``grow_many`` (one step's decode growth in one call).
+
+Speed: the simulator's hot work is single-unit small pages (a decode page per few tokens, freed
+when its request ends). ``grow``/``grow_many`` place them without a plan (``_grow_small``: best fit
+for one unit is the allocator's first free run), ``release`` frees a request's unshared unhashed
+pages inline, and rows are packed into a byte buffer laid out as EVENT_DTYPE, so ``take_events``
+is one copy. Same state and rows as the general paths (tests/unit/test_pool_perf_paths.py).
 ``release`` of an unknown request returns 0 (idempotent); other request actions raise.
 A retained or swapped entry still in the table when its request is released is dropped then
 (retained units: EXPIRE rows). ``reset`` drops everything, swap and checkpoints included.
@@ -68,8 +74,8 @@ import heapq
 import json
 from bisect import bisect_left, insort
 import os
+import struct
 from collections import OrderedDict
-from itertools import chain
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -99,8 +105,23 @@ _LIVE, _CACHED, _RETAINED, _FREED = PageState.LIVE, PageState.CACHED, PageState.
 _EVICTED_STATE = {Handling.RECOMPUTE: PageState.DROPPED, Handling.SWAP: PageState.SWAPPED,
                   Handling.CHECKPOINT: PageState.CHECKPOINTED, Handling.RETAIN: PageState.RETAINED}
 _MASK64 = (1 << 64) - 1
-_COLS = EVENT_DTYPE.names
-_N_COLS = len(_COLS)
+# One event row packed little-endian with no padding: the memory layout of EVENT_DTYPE, so the
+# recorded bytes are the array (np.frombuffer) with no per-row conversion and no tuple per row.
+_STRUCT_CODE = {"<i8": "q", "|u1": "B"}
+
+
+def _row_struct() -> struct.Struct:
+    codes = [_STRUCT_CODE.get(EVENT_DTYPE.fields[name][0].str) for name in EVENT_DTYPE.names]
+    row = struct.Struct("<" + "".join(code or "?" for code in codes))
+    offsets = [struct.calcsize("<" + "".join(codes[:i])) for i in range(len(codes))] if all(codes) else []
+    if row.size != EVENT_DTYPE.itemsize or offsets != [EVENT_DTYPE.fields[n][1] for n in EVENT_DTYPE.names]:
+        raise TypeError(f"kvguard.events.EVENT_DTYPE {EVENT_DTYPE}: producers.pool packs rows as {row.format!r}; "
+                        f"update _STRUCT_CODE for the new layout")
+    return row
+
+
+_ROW = _row_struct()
+_pack_row = _ROW.pack
 
 
 def _chain_key(parent: int, block_hash) -> int:
@@ -241,7 +262,7 @@ class PagedPool:
         self._unit_pages = classes[0] == 1 and fit == "best"
         self._alloc = FreeRunAllocator(geometry.dynamic_units, fit)
         self._store = CheckpointStore(checkpoint_dir, node)
-        self._events: list[tuple] = []
+        self._rows = bytearray()  # recorded rows, packed as EVENT_DTYPE (see _pack_row)
         self._pending_fill = 0
         self._pending_fill_ts = 0
         self._next_ckpt = 0
@@ -269,25 +290,20 @@ class PagedPool:
               size: int = 0, tokens: int = 0, aux: int = 0) -> None:
         if self._pending_fill:
             self._flush_fill()
-        self._events.append((ts, kind, cls, flags, req, offset, size, tokens, aux))
+        self._rows += _pack_row(ts, kind, cls, flags, req, offset, size, tokens, aux)
 
     def _flush_fill(self) -> None:
-        self._events.append((self._pending_fill_ts, _FILL, 0, 0, -1, 0, 0, self._pending_fill, 0))
+        self._rows += _pack_row(self._pending_fill_ts, _FILL, 0, 0, -1, 0, 0, self._pending_fill, 0)
         self._pending_fill = 0
 
     def take_events(self) -> np.ndarray:
         """All rows recorded since the last call, in order, as EVENT_DTYPE; clears them."""
         if self._pending_fill:
             self._flush_fill()
-        if not self._events:
+        if not self._rows:
             return empty_events(0)
-        rows = self._events
-        n = len(rows)
-        flat = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=n * _N_COLS).reshape(n, _N_COLS)
-        self._events = []
-        out = np.empty(n, dtype=EVENT_DTYPE)
-        for i, name in enumerate(_COLS):
-            out[name] = flat[:, i]
+        out = np.frombuffer(self._rows, dtype=EVENT_DTYPE).copy()
+        self._rows = bytearray()
         return out
 
     def record_event(self, kind: EventKind | int, now_ns: int, *, req: int = -1, cls: int = 0, flags: int = 0,
@@ -345,10 +361,24 @@ class PagedPool:
             self._tables[req] = table
         if fill:
             self._fill(table, last, fill, now_ns)
+        entries, pages, page_end, classes = table.entries, self._pages, self._page_end, self.page_classes
+        unit = self.unit_tokens
         for (cls, tokens, key, shared), offset in zip(plan, offsets):
-            page = self._share(shared, req, now_ns) if shared is not None else \
-                self._new_live_page(offset, cls, tokens, key, req, now_ns, _ALLOC)
-            table.entries.append(page)
+            if shared is not None:
+                page = self._share(shared, req, now_ns)
+            else:  # _new_live_page inlined
+                size = classes[cls]
+                page = _Page(offset, size, cls, tokens, key, req)
+                pages[offset] = page
+                page_end[offset + size] = page
+                self.live_units += size
+                self.tokens_stored += tokens
+                if key is not None and tokens == size * unit:
+                    self._register(page)
+                if self._pending_fill:
+                    self._flush_fill()
+                self._rows += _pack_row(now_ns, _ALLOC, cls, 0, req, offset, size, tokens, 0)
+            entries.append(page)
             table.n_tokens += tokens
 
     def _grow_small(self, table: _Table, req: int, rest: int, now_ns: int) -> None:
@@ -361,7 +391,7 @@ class PagedPool:
         if self._pending_fill:
             self._flush_fill()
         pages, page_end, entries = self._pages, self._page_end, table.entries
-        append = self._events.append
+        rows = self._rows
         # FreeRunAllocator.take_units inlined: best fit for one unit is the first key, and what
         # is left of its run stays the first key
         alloc = self._alloc
@@ -383,7 +413,7 @@ class PagedPool:
             pages[offset] = page
             page_end[offset + 1] = page
             entries.append(page)
-            append((now_ns, _ALLOC, 0, 0, req, offset, 1, tokens, 0))
+            rows += _pack_row(now_ns, _ALLOC, 0, 0, req, offset, 1, tokens, 0)
         alloc.free_units -= n
         self.live_units += n
         table.n_tokens += total
@@ -456,8 +486,31 @@ class PagedPool:
 
     def units_needed(self, req: int, n_tokens: int, block_hashes: Sequence = ()) -> int:
         """Units of new pages ``grow`` would allocate (shared/revived pages cost none)."""
+        table = self._tables.get(req)
+        if self._unit_pages and not block_hashes and (table is None or not table.hashes) and n_tokens > 0:
+            # no hash anywhere: nothing is shared, so count the pages of _plan without making it
+            fill = 0
+            if table is not None and table.entries and type(table.entries[-1]) is _Page:
+                last = table.entries[-1]
+                fill = min(last.size * self.unit_tokens - last.tokens, n_tokens)
+            pos = 0 if table is None else table.n_tokens + fill
+            return self._plan_units(pos, n_tokens - fill)
         return sum(self.page_classes[cls] for cls, _, _, shared in self._plan_for(req, n_tokens, block_hashes)
                    if shared is None)
+
+    def _plan_units(self, pos: int, rest: int) -> int:
+        """Units of the pages ``_plan(table, pos, rest)`` makes when nothing is shared: small pages
+        up to the next block boundary, then one large page per whole block, then small pages.
+        Small pages that start off the small-page grid never reach a block boundary."""
+        if rest <= 0:
+            return 0
+        small, block = self._small_tokens, self.block_tokens
+        classes = self.page_classes
+        if not self._large_cls or pos % small:
+            return -(-rest // small) * classes[0]
+        head = min(rest, -pos % block)
+        large, tail = divmod(rest - head, block)
+        return (-(-head // small) + -(-tail // small)) * classes[0] + large * classes[-1]
 
     def release(self, req: int, now_ns: int, cache_prefix: bool = True) -> int:
         """Drop every page of ``req`` (tail first, so the LRU reclaims tails before heads).
@@ -469,10 +522,10 @@ class PagedPool:
         # runs as ``_drop_ref``, with ``FreeRunAllocator.free_many`` inlined (best fit: no list
         # of starts to keep).
         freed = tokens = units = 0
-        append = self._events.append
         pages, page_end = self._pages, self._page_end
         alloc = self._alloc
         inline = alloc._starts is None
+        rows = self._rows  # appended in place: the same buffer _emit writes to
         keys, size_of, start_of_end, k = alloc._keys, alloc._size_of, alloc._start_of_end, alloc._k
         for entry in reversed(table.entries):
             if type(entry) is _Page:
@@ -488,7 +541,7 @@ class PagedPool:
                     tokens += n
                     if self._pending_fill:
                         self._flush_fill()
-                    append((now_ns, _FREE, entry.cls, 0, req, start, size, n, 0))
+                    rows += _pack_row(now_ns, _FREE, entry.cls, 0, req, start, size, n, 0)
                     left = start_of_end.pop(start, None)
                     if left is not None:
                         del keys[bisect_left(keys, (start - left) * k + left)]
@@ -890,21 +943,32 @@ class PagedPool:
             return None if offset is None else [offset]
         order = sorted((i for i, p in enumerate(plan) if p[3] is None), key=lambda i: -plan[i][0])
         offsets = [-1] * len(plan)
-        done = []
         alloc = self._alloc
-        for n, i in enumerate(order):
-            cls = plan[i][0]
-            if cls == 0 and self._unit_pages:
-                # the rest are single-unit small pages: placed one after the other, best fit
-                rest = order[n:]
-                if len(rest) <= alloc.free_units:
-                    for j, offset in zip(rest, alloc.take_units(len(rest))):
-                        offsets[j] = offset
-                    return offsets
-                offset = None
-            else:
+        if self._unit_pages:
+            # class by class, largest first, each class's pages in plan order: the same offsets as
+            # one alloc per page, with the batch placements of the allocator
+            taken: list[tuple[int, int]] = []
+            n = 0
+            while n < len(order):
+                cls = plan[order[n]][0]
+                group = [i for i in order[n:] if plan[i][0] == cls]
                 size = classes[cls]
-                offset = alloc.alloc(size, size)
+                if size == 1:
+                    got = alloc.take_units(len(group)) if len(group) <= alloc.free_units else None
+                else:
+                    got = alloc.take_aligned(size, len(group))
+                if got is None:
+                    alloc.free_many(taken)
+                    return None
+                for i, offset in zip(group, got):
+                    offsets[i] = offset
+                    taken.append((offset, size))
+                n += len(group)
+            return offsets
+        done = []
+        for i in order:
+            size = classes[plan[i][0]]
+            offset = alloc.alloc(size, size)
             if offset is None:
                 alloc.free_many([(offsets[j], classes[plan[j][0]]) for j in done])
                 return None

@@ -6,31 +6,24 @@ reads raw event-batch records, decodes them with ``kvguard.schemas`` (undecodabl
 ``kvguard.metrics`` and alerts to ``kvguard.alerts`` keyed by node, with the same record bytes as the
 embedded runner (``streams.embedded.encode_tick``/``encode_alert``).
 
-State and recovery. A node's full ``NodeState`` is tens of KB, too much to write per batch, so the
-table ``<app_id>-state`` holds, per node (keys are raw bytes):
+State and recovery. A node's full ``NodeState`` is ~10-40 KB, too much to write per batch, so the
+table ``<app_id>-state`` holds one key per node, ``C|<node>``: the events offset of the node's last
+applied batch (8 bytes) followed by ``NodeState.to_bytes()``, written at the node's first batch
+and then every ``checkpoint_every_ticks`` of its ticks. The events topic itself is the log between
+checkpoints: a worker that meets a node it has no memory of (startup, a partition moved to it)
+loads the checkpoint; the node's next batch then shows a seq gap, and the worker seeks the
+partition back to just after the checkpoint's offset and reads it again (records of nodes already
+up to date are skipped by ``seq``; re-read batches re-send their ticks: duplicates within
+at-least-once, identical bytes).
 
-- ``C|<node>``: a checkpoint (``NodeState.to_bytes()``), written every ``checkpoint_every_ticks``
-  ticks of that node;
-- ``P|<node>|<epoch>|<seq>``: the raw record of each batch applied since that checkpoint (written
-  once, so the changelog carries about the input volume), deleted at the next checkpoint;
-- ``I|<node>``: ``{"offset": o, "pending": [[epoch, seq, offset], …]}``: those pending batches and
-  the events offset the checkpoint covers (a few dozen small ints).
+The same rewind covers the consumer itself: faust-streaming 0.15 can drop a record whose delivery
+is cancelled while the flow is suspended during recovery, and still mark it read (seen on Tansu at
+worker start). A seq gap is therefore read again once from the node's last applied offset; only a
+gap that survives the re-read marks the node unsynced (the core's rule for lost batches).
 
-Records are handled in chunks (``max_records``): all batches of a chunk are applied, their
-outputs published with one wait for the broker, then the table is written.
-
-The consumer can skip a record (faust-streaming 0.15 drops a message whose delivery is cancelled
-when the flow is suspended during recovery/rebalance, and still marks it read; seen on Tansu at
-worker start). So a seq gap of a node is not taken at face value: the worker seeks the partition
-back to just after the node's last applied offset (kept with the state) and reads it again once;
-only a gap that survives the re-read marks the node unsynced (the core's own rule).
-
-A worker that meets a node it has no memory of (startup, a partition moved to it) rebuilds the
-node from the checkpoint and replays the pending batches, discarding their outputs (they were
-published before the table was written). Per chunk the order is: process, publish outputs and
-wait for the broker, then write the table; Faust flushes table writes before it commits the offset. So a
-crash anywhere re-delivers at most the batches whose outputs may already be out (duplicates within
-at-least-once), the core skips batches it has applied (``seq``), and no tick is lost.
+Ordering: outputs are sent as they are made; before a checkpoint is written every output sent so
+far is awaited (a checkpoint never gets ahead of the ticks its batches produced), and Faust flushes
+the producer before it commits offsets. Records are handled in chunks of up to ``max_records``.
 
 Topics Faust needs that Tansu will not auto-create are created by ``ensure_topics`` before the
 worker starts: kvguard's topics, the table changelog (as many partitions as the events topic,
@@ -40,8 +33,8 @@ worker starts: kvguard's topics, the table changelog (as many partitions as the 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import struct
 import tempfile
 from dataclasses import dataclass
 
@@ -52,6 +45,7 @@ from streams.predictor import Predictor
 log = logging.getLogger(__name__)
 
 DEFAULT_APP_ID = "kvguard-streams"
+_OFFSET = struct.Struct("<q")
 TABLE_NAME = "state"
 
 
@@ -110,7 +104,6 @@ class WorkerCounters:
     dead_lettered: int = 0
     checkpoints: int = 0
     nodes_restored: int = 0
-    batches_replayed: int = 0
     nodes_dropped: int = 0
     rewinds: int = 0
 
@@ -146,15 +139,17 @@ class StreamsWorker:
         self.max_rewind_skip = 100_000
         self.events_topic = settings.topics.name("events")
         self.consumer = consumer or (lambda: None)
+        self.checkpointed: set[str] = set()
+        self.in_flight: list = []
         self.counters = WorkerCounters()
 
     async def handle(self, events) -> None:
-        """Process a chunk of consumed events: apply every batch, publish all outputs and wait for
-        the broker once, then record the applied batches in the table (changelog)."""
+        """Process a chunk of consumed events: apply every batch, send the outputs, and write the
+        checkpoints that fell due once every output sent so far is on the broker."""
         from kvguard.schemas import DecodeError, decode_batch
 
-        applied = []
         ticks, alerts = [], []
+        due: dict[str, int] = {}  # node -> partition, checkpoints to write after this chunk
         for event in events:
             message = event.message
             value = event.value
@@ -184,10 +179,44 @@ class StreamsWorker:
             ticks += new_ticks
             alerts += new_alerts
             self.last_offset[node] = message.offset
-            applied.append((message.partition, message.offset, node, batch.epoch, batch.seq, value, len(new_ticks)))
+            n = self.ticks_since_checkpoint[node] = self.ticks_since_checkpoint.get(node, 0) + len(new_ticks)
+            if n >= self.checkpoint_every_ticks or node not in self.checkpointed:
+                due[node] = message.partition
         await self.publish(ticks, alerts)
-        for partition, offset, node, epoch, seq, value, n_ticks in applied:
-            self.remember(partition, offset, node, epoch, seq, value, new_ticks=n_ticks)
+        if due:  # a checkpoint must never get ahead of the outputs its batches produced
+            await self.wait_outputs()
+            for node, partition in due.items():
+                self.checkpoint(node, partition)
+
+    async def publish(self, ticks, alerts) -> None:
+        """Send outputs; delivery is awaited before the next checkpoint (and Faust flushes the
+        producer before it commits offsets), not per chunk."""
+        for tick in ticks:
+            self.in_flight.append(await self.metrics_topic.send(
+                key=tick.node.encode(), value=encode_tick(tick),
+                headers=output_headers("metrics", tick.node, tick.ts_ns)))
+        for alert in alerts:
+            self.in_flight.append(await self.alerts_topic.send(
+                key=alert.node.encode(), value=encode_alert(alert),
+                headers=output_headers("alerts", alert.node, alert.ts_ns, f"/{alert.rule}")))
+        self.in_flight = [f for f in self.in_flight if not f.done()]
+        self.counters.ticks += len(ticks)
+        self.counters.alerts += len(alerts)
+
+    async def wait_outputs(self) -> None:
+        if self.in_flight:
+            await asyncio.gather(*self.in_flight)
+            self.in_flight = []
+
+    def checkpoint(self, node: str, partition: int) -> None:
+        """``C|<node>`` = the events offset of the node's last applied batch (8 bytes) + its state."""
+        value = _OFFSET.pack(self.last_offset[node]) + self.core.nodes[node].to_bytes()
+        self.table.data[_node_key(b"C", node)] = value
+        # the changelog partition of the record that caused it (chunks have no single "current event")
+        self.table.send_changelog(partition, _node_key(b"C", node), value)
+        self.checkpointed.add(node)
+        self.ticks_since_checkpoint[node] = 0
+        self.counters.checkpoints += 1
 
     def _missed_batches(self, node: str, st: NodeState, batch) -> bool:
         """A seq gap the worker may have caused itself (the consumer skipped a record): the
@@ -204,7 +233,9 @@ class StreamsWorker:
         st = self.core.nodes[node]
         target = self.last_offset[node] + 1
         try:
-            await self.consumer().seek(TP(self.events_topic, partition), target)
+            # seek_wait runs the seek on the consumer's own thread (plain seek() would touch the
+            # aiokafka consumer from this thread and can stall its fetcher)
+            await self.consumer().seek_wait({TP(self.events_topic, partition): target})
         except Exception as exc:  # the gap then stays a gap: the core marks the node unsynced
             log.warning("node %s: could not seek %s/%d to %d: %s", node, self.events_topic, partition, target, exc)
             return False
@@ -243,68 +274,22 @@ class StreamsWorker:
         self.counters.ticks += len(ticks)
         self.counters.alerts += len(alerts)
 
-    def remember(self, partition: int, offset: int, node: str, epoch: int, seq: int, raw: bytes, *,
-                 new_ticks: int) -> None:
-        """Record the batch in the table: pending until the next checkpoint of this node. The index
-        keeps the events offset of what the state covers (for rewinds after a restore)."""
-        index_key = _node_key(b"I", node)
-        index = self._index(node)
-        done = self.ticks_since_checkpoint.get(node, 0) + new_ticks
-        if done >= self.checkpoint_every_ticks:
-            # the core's state covers the whole chunk, so the newest applied offset of the node
-            self._set(partition, _node_key(b"C", node), self.core.nodes[node].to_bytes())
-            for e, s, _ in index["pending"]:
-                self._delete(partition, _node_key(b"P", node, e, s))
-            self._set(partition, index_key, json.dumps({"offset": self.last_offset[node], "pending": []}).encode())
-            self.ticks_since_checkpoint[node] = 0
-            self.counters.checkpoints += 1
-            return
-        self._set(partition, _node_key(b"P", node, epoch, seq), bytes(raw))
-        index["pending"].append([epoch, seq, offset])
-        self._set(partition, index_key, json.dumps(index).encode())
-        self.ticks_since_checkpoint[node] = done
-
-    def _index(self, node: str) -> dict:
-        raw = self.table.get(_node_key(b"I", node))
-        return json.loads(raw) if raw else {"offset": None, "pending": []}
-
-    def _set(self, partition: int, key: bytes, value: bytes) -> None:
-        """Table write to the changelog partition of the record that caused it (the events are
-        handled in chunks, so Faust's "current event" is not the right one to ask)."""
-        self.table.data[key] = value
-        self.table.send_changelog(partition, key, value)
-
-    def _delete(self, partition: int, key: bytes) -> None:
-        self.table.data.pop(key, None)
-        self.table.send_changelog(partition, key, None, value_serializer="raw")
-
     def restore(self, node: str) -> NodeState:
-        """Rebuild a node from its checkpoint and pending batches (outputs discarded: already sent)."""
-        from kvguard.schemas import decode_batch
-
+        """Rebuild a node from its checkpoint. The records after the checkpoint's offset are read
+        again (the first batch then shows a seq gap, which rewinds the partition)."""
         core = self.core
         checkpoint = self.table.get(_node_key(b"C", node))
         if checkpoint is not None:
-            core.nodes[node] = NodeState.from_bytes(checkpoint, core.config,
+            (offset,) = _OFFSET.unpack_from(checkpoint)
+            core.nodes[node] = NodeState.from_bytes(checkpoint[_OFFSET.size:], core.config,
                                                     with_predictor=core.predictor is not None)
-        st = core.node_state(node)
-        index = self._index(node)
-        pending = index["pending"]
-        if index["offset"] is not None:
-            self.last_offset[node] = index["offset"]
-        for epoch, seq, offset in pending:
-            raw = self.table.get(_node_key(b"P", node, epoch, seq))
-            if raw is None:
-                log.warning("node %s: pending batch %s/%s missing from the state table", node, epoch, seq)
-                continue
-            core.process(decode_batch(raw))
             self.last_offset[node] = offset
-            self.counters.batches_replayed += 1
-        self.ticks_since_checkpoint[node] = 0
-        if checkpoint is not None or pending:
+            self.checkpointed.add(node)
             self.counters.nodes_restored += 1
-            log.info("node %s restored from the changelog (%d pending batches replayed)", node, len(pending))
-        return st
+            log.info("node %s restored from the changelog (checkpoint at offset %d, seq %s)",
+                     node, offset, core.nodes[node].seq)
+        self.ticks_since_checkpoint[node] = 0
+        return core.node_state(node)
 
     def drop_partitions(self, partitions: set[int]) -> None:
         """Forget nodes of revoked partitions: their next owner continues from the table."""
@@ -315,6 +300,7 @@ class StreamsWorker:
             self.partition_of.pop(node, None)
             self.last_offset.pop(node, None)
             self.rewound.pop(node, None)
+            self.checkpointed.discard(node)
             self.ticks_since_checkpoint.pop(node, None)
             self.counters.nodes_dropped += 1
 
@@ -345,7 +331,7 @@ def _header_pairs(headers) -> list[tuple[str, bytes]]:
 
 def build_app(settings, *, predictor: Predictor | None = None, app_id: str = DEFAULT_APP_ID,
               datadir: str | None = None, checkpoint_every_ticks: int = 6, config: StreamConfig | None = None,
-              max_records: int = 200, max_wait_s: float = 0.05):
+              max_records: int = 1000, max_wait_s: float = 0.05):
     """A configured Faust app and its ``StreamsWorker``. Connects to nothing until started.
     The agent handles up to ``max_records`` records at a time (waiting at most ``max_wait_s``)."""
     import faust

@@ -77,12 +77,16 @@ class StreamConfig:
     @classmethod
     def from_settings(cls, streams, predictor=None, **overrides) -> "StreamConfig":
         """Map ``kvguard.settings`` sections (``settings.streams``, ``settings.predictor``) onto the
-        core's config; read by attribute, so the core stays free of pydantic."""
+        core's config; read by attribute, so the core stays free of pydantic. ``reserved_frac`` is
+        taken only when it was set explicitly (file/env): by default each GPU's geometry decides,
+        so Ψ stays equal to the pool's own."""
         names = {f for f in AlertThresholds.__dataclass_fields__ if f != "p_oom"}
         thresholds = AlertThresholds(**{n: getattr(streams, n) for n in names},
                                      p_oom=getattr(predictor, "threshold", AlertThresholds.p_oom))
+        explicit = getattr(streams, "model_fields_set", {"reserved_frac"})
         values = dict(tick_s=streams.tick_s, slope_window_s=streams.slope_window_s, alpha=streams.alpha,
-                      beta=streams.beta, reserved_frac=streams.reserved_frac, thresholds=thresholds)
+                      beta=streams.beta, thresholds=thresholds,
+                      reserved_frac=streams.reserved_frac if "reserved_frac" in explicit else None)
         values.update(overrides)
         return cls(**values)
 

@@ -201,6 +201,7 @@ class EvaluationResult:
     false_alarms: dict[str, int]
     alarm_episodes: dict[str, int]
     roc: tuple[np.ndarray, np.ndarray] = field(repr=False, default=(np.zeros(0), np.zeros(0)))
+    operating_point: dict | None = None  # tpr/fpr at the model's calibrated threshold, when given
 
     def lead_time_median_s(self) -> dict[str, float]:
         return {tier: float(np.median(v)) if v else float("nan") for tier, v in self.lead_times_s.items()}
@@ -237,12 +238,17 @@ class EvaluationResult:
             "isolated_lead_time_median_s": {k: clean(v) for k, v in self.isolated_lead_time_median_s().items()},
             "false_alarms_per_hour": {k: clean(v) for k, v in self.false_alarms_per_hour().items()},
             "alarm_episodes": dict(self.alarm_episodes),
+            "at_operating_threshold": self.operating_point,
         }
 
 
 def evaluate_traces(traces: list[NodeTrace], tiers: tuple[str, ...] = ("threshold", "slope", "lstm"),
-                    horizon_s: float = DEFAULT_HORIZON_S) -> EvaluationResult:
-    """Score a set of node runs: tick-level ROC of ``p_oom`` and OOM-level lead times per tier."""
+                    horizon_s: float = DEFAULT_HORIZON_S, threshold: float | None = None) -> EvaluationResult:
+    """Score a set of node runs: tick-level ROC of ``p_oom`` and OOM-level lead times per tier.
+
+    ``recall_at_fpr_5pct`` picks the best threshold on these very ticks (the ROC's point); pass the
+    model's calibrated ``threshold`` to also get the true/false-positive rates it really runs at.
+    """
     labels, scores = [], []
     leads: dict[str, list[float]] = {t: [] for t in tiers}
     false = dict.fromkeys(tiers, 0)
@@ -268,13 +274,19 @@ def evaluate_traces(traces: list[NodeTrace], tiers: tuple[str, ...] = ("threshol
     s = np.concatenate(scores) if scores else np.zeros(0)
     if y.size and 0 < y.sum() < y.size:
         area = auc(y, s)
-        recall, threshold = recall_at_fpr(y, s, 0.05)
+        recall, best_threshold = recall_at_fpr(y, s, 0.05)
         fpr, tpr, _ = roc_curve(y, s)
     else:
-        area, recall, threshold = float("nan"), float("nan"), float("nan")
+        area, recall, best_threshold = float("nan"), float("nan"), float("nan")
         fpr, tpr = np.zeros(0), np.zeros(0)
-    return EvaluationResult(auc=area, recall_at_fpr_5pct=recall, threshold_at_fpr_5pct=threshold,
-                            ticks=int(y.size), positives=int(y.sum()), ooms=ooms, node_hours=node_hours,
+    operating = None
+    if threshold is not None and y.size:
+        fired = s >= threshold
+        operating = {"threshold": round(float(threshold), 6),
+                     "tpr": round(float(fired[y == 1].mean()), 4) if y.any() else None,
+                     "fpr": round(float(fired[y == 0].mean()), 4) if (~y.astype(bool)).any() else None}
+    return EvaluationResult(auc=area, recall_at_fpr_5pct=recall, threshold_at_fpr_5pct=best_threshold,
+                            operating_point=operating, ticks=int(y.size), positives=int(y.sum()), ooms=ooms, node_hours=node_hours,
                             lead_times_s=leads, isolated=isolated, false_alarms=false, alarm_episodes=episodes, roc=(fpr, tpr))
 
 

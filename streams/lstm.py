@@ -19,6 +19,7 @@ advances it by one tick (the cheap path: one LSTM step per node per tick instead
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -161,7 +162,10 @@ def save_model(net: OOMNet, metadata: ModelMetadata, path: str | Path) -> tuple[
 
 def load_model(path: str | Path | None = None, *, expected_features: list[str] | None = None,
                threads: int | None = 1) -> "LSTMPredictor":
-    """Load an artifact (default: the shipped model) and check its features against ``expected_features``."""
+    """Load an artifact (default: the shipped model) and check its features against ``expected_features``.
+
+    ``threads`` sets torch's (process-wide) CPU thread count: inference is small and the cores are shared.
+    """
     weights, meta_path = _paths(path if path is not None else DEFAULT_MODEL_DIR)
     for p in (weights, meta_path):
         if not p.exists():
@@ -177,7 +181,7 @@ def load_model(path: str | Path | None = None, *, expected_features: list[str] |
     try:
         state = torch.load(weights, map_location="cpu", weights_only=True)
         net.load_state_dict(state)
-    except (RuntimeError, KeyError, EOFError) as exc:
+    except (RuntimeError, KeyError, EOFError, ValueError, pickle.UnpicklingError) as exc:
         raise ModelError(f"{weights}: weights do not fit the metadata in {meta_path.name}: {exc}") from exc
     return LSTMPredictor(net, meta, threads=threads)
 

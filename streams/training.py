@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from streams.dataset import TickDataset
-from streams.evaluation import NS_PER_S, NodeTrace, evaluate_traces, threshold_for_fpr
-from streams.lstm import LSTMPredictor, ModelMetadata, Normalisation, OOMNet
+from streams.evaluation import NS_PER_S, NodeTrace, evaluate_traces, isolated_ooms, threshold_for_fpr
+from streams.lstm import ModelMetadata, Normalisation, OOMNet
 
 
 @dataclass(slots=True)
@@ -39,6 +39,7 @@ class TrainConfig:
     learning_rate: float = 2e-3
     traj_weight: float = 2.0
     max_pos_weight: float = 30.0
+    isolated_weight: float = 3.0  # extra loss weight before isolated OOMs (first crash after calm)
     hidden_size: int = 64
     num_layers: int = 2
     traj_steps: int = 30
@@ -105,14 +106,14 @@ def _batch(seqs, chunk_list, chunk: int, burn_in: int, steps: int, n_features: i
     tt = np.zeros((b, chunk, steps), np.float32)
     tm = np.zeros((b, chunk, steps), np.float32)
     for i, (s, a) in enumerate(chunk_list):
-        xs, ys, ts, tms, real = seqs[s]
+        xs, ys, ts, tms, real, weight = seqs[s]
         start = max(a, 0)
         e = min(a + chunk, len(ys))
         k = e - start
         x[i, :k], y[i, :k], tt[i, :k] = xs[start:e], ys[start:e], ts[start:e]
         keep = real[start:e].astype(np.float32)
         keep[: max(burn_in - (start - a), 0)] = 0.0  # steps inside the burn-in carry no loss
-        m[i, :k], tm[i, :k] = keep, tms[start:e] * keep[:, None]
+        m[i, :k], tm[i, :k] = keep * weight[start:e], tms[start:e] * keep[:, None]
     return (torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(m), torch.from_numpy(tt),
             torch.from_numpy(tm))
 
@@ -122,8 +123,22 @@ def pad_left(x: np.ndarray, n: int) -> np.ndarray:
     return np.concatenate([np.repeat(x[:1], n, axis=0), x]) if len(x) and n > 0 else x
 
 
-def _prepared(ds: TickDataset, seq_ids: list[int], norm: Normalisation, steps: int, window: int):
-    """Per sequence, left-padded by window-1 rows: (x, labels, traj targets, traj mask, real-tick mask)."""
+def first_crash_weights(ts_ns: np.ndarray, oom_ts_ns: np.ndarray, horizon_s: float, weight: float) -> np.ndarray:
+    """Loss weight per tick: ``weight`` on the positive ticks before an isolated OOM (the first crash
+    after a calm spell, where an early warning is worth most and data is scarcest), else 1."""
+    w = np.ones(len(ts_ns), np.float32)
+    if weight == 1.0 or len(oom_ts_ns) == 0:
+        return w
+    ooms = np.sort(oom_ts_ns)
+    for t_oom in ooms[isolated_ooms(ooms)]:
+        w[(ts_ns < t_oom) & (ts_ns >= t_oom - int(horizon_s * NS_PER_S))] = weight
+    return w
+
+
+def _prepared(ds: TickDataset, seq_ids: list[int], norm: Normalisation, steps: int, window: int,
+              isolated_weight: float = 1.0):
+    """Per sequence, left-padded by window-1 rows: (x, labels, traj targets, traj mask, real-tick
+    mask, loss weight)."""
     u_col = ds.feature_names.index("u_kv")
     pad = window - 1
     out = []
@@ -131,8 +146,10 @@ def _prepared(ds: TickDataset, seq_ids: list[int], norm: Normalisation, steps: i
         a, b = int(ds.seq_offsets[s]), int(ds.seq_offsets[s + 1])
         targets, mask = future_targets(ds.features[a:b, u_col], steps)
         real = np.r_[np.zeros(pad, bool), np.ones(b - a, bool)]
+        seq = ds.sequence(s)
+        weight = first_crash_weights(seq.ts_ns, seq.oom_ts_ns, ds.horizon_s, isolated_weight)
         out.append((pad_left(norm.apply(ds.features[a:b]), pad), pad_left(ds.labels[a:b].astype(np.float32), pad),
-                    pad_left(targets, pad), pad_left(mask.astype(np.float32), pad), real))
+                    pad_left(targets, pad), pad_left(mask.astype(np.float32), pad), real, pad_left(weight, pad)))
     return out
 
 
@@ -199,18 +216,17 @@ def train(ds: TickDataset, config: TrainConfig = TrainConfig(), *,
     norm = Normalisation.fit(ds.features[train_rows])
     n_pos = float(ds.labels[train_rows].sum())
     pos_weight = min(config.max_pos_weight, (len(train_rows) - n_pos) / max(n_pos, 1.0))
-    seqs = _prepared(ds, train_ids, norm, config.traj_steps, config.window_ticks)
+    seqs = _prepared(ds, train_ids, norm, config.traj_steps, config.window_ticks, config.isolated_weight)
     net = OOMNet(len(ds.feature_names), config.hidden_size, config.num_layers, config.traj_steps, config.dropout)
     optimiser = torch.optim.Adam(net.parameters(), lr=config.learning_rate)
     bce = nn.BCEWithLogitsLoss(pos_weight=torch.tensor(pos_weight), reduction="none")
     lengths = [len(s[1]) for s in seqs]
-    per_epoch = len(_chunks(lengths, config.chunk_ticks, config.burn_in_ticks, np.random.default_rng(0)))
-    total = config.epochs * -(-per_epoch // config.batch_size)
+    epoch_chunks = [_chunks(lengths, config.chunk_ticks, config.burn_in_ticks, rng) for _ in range(config.epochs)]
+    total = sum(-(-len(c) // config.batch_size) for c in epoch_chunks)
     done = 0
     history = []
-    for epoch in range(config.epochs):
+    for epoch, chunk_list in enumerate(epoch_chunks):
         net.train()
-        chunk_list = _chunks(lengths, config.chunk_ticks, config.burn_in_ticks, rng)
         order = rng.permutation(len(chunk_list))
         losses = []
         for a in range(0, len(order), config.batch_size):
@@ -218,7 +234,7 @@ def train(ds: TickDataset, config: TrainConfig = TrainConfig(), *,
             x, y, m, tt, tm = _batch(seqs, picked, config.chunk_ticks, config.burn_in_ticks, config.traj_steps,
                                      len(ds.feature_names))
             logits, traj, _ = net(x)
-            loss_p = (bce(logits, y) * m).sum() / m.sum().clamp(min=1.0)
+            loss_p = (bce(logits, y) * m).sum() / (m > 0).sum().clamp(min=1)
             loss_u = (((traj - tt) ** 2) * tm).sum() / tm.sum().clamp(min=1.0)
             loss = loss_p + config.traj_weight * loss_u
             optimiser.zero_grad()
@@ -246,7 +262,8 @@ def train(ds: TickDataset, config: TrainConfig = TrainConfig(), *,
                               ("held_out", test_ids, score_dataset(net, ds, test_ids, norm, config.chunk_ticks,
                                                                    config.score_mode) if test_ids else [])):
         if ids:
-            result = evaluate_traces(traces_for(ds, ids, scores, threshold, config.resolve_after_s), horizon_s=ds.horizon_s)
+            result = evaluate_traces(traces_for(ds, ids, scores, threshold, config.resolve_after_s),
+                                     horizon_s=ds.horizon_s, threshold=threshold)
             metrics[name] = result.to_dict()
             metrics[name]["workloads"] = sorted({ds.runs[int(ds.seq_run[s])]["workload"] for s in ids})
     from kvguard import __version__
@@ -263,6 +280,3 @@ def train(ds: TickDataset, config: TrainConfig = TrainConfig(), *,
         metrics=metrics)
     return TrainResult(net=net, metadata=metadata, history=history, seconds=time.monotonic() - started)
 
-
-def predictor_from(result: TrainResult) -> LSTMPredictor:
-    return LSTMPredictor(result.net, result.metadata, threads=None)

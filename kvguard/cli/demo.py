@@ -6,7 +6,15 @@ advances, its event batches go through the stream core (ticks, alerts, P(OOM)), 
 through the policy (commands), each command through its node's actuator (verify, apply once,
 execute, ack), and only then the next tick. The in-process bus carries ticks, alerts, commands
 and acks with Kafka's topic/key/partition semantics. With ``--bus kafka://…`` the same parts run
-as concurrent services over the broker (and ``--redis`` puts the budget ledger in Redis).
+as concurrent services over the broker (and ``--redis`` puts the budget ledger in Redis); the
+baseline (the bare engine, which needs no bus) still runs embedded.
+
+Where the gain comes from on the bundled stress: the baseline engine fills its KV region to a 1 %
+watermark, a burst of long prompts takes the last free units within one tick, and a step's
+workspace buffer finds no contiguous run: a fragmentation OOM, 60 s of downtime, and a backlog
+that crashes the GPU again on restart. kvguard holds admission headroom on busy nodes (the
+policy's U_kv target enforced at admission), compacts when the largest free run gets short, and
+evicts when the trigger and the forecast agree; see ``policy.engine``.
 """
 
 from __future__ import annotations
@@ -117,7 +125,7 @@ async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: fl
     from kvguard.bus.inproc import InprocBus
     from kvguard.schemas import make_headers
     from producers.engine import NS
-    from streams.alerts import alert_record
+    from streams.embedded import encode_alert, encode_tick, output_headers
 
     settings = graph.settings
     topics = settings.topics
@@ -126,7 +134,8 @@ async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: fl
     fleet.submit_workload(workload)
     engines = {e.node: e for e in fleet.engines}
     core = graph.stream_core()
-    service = graph.policy_service(bus=bus, ledger=make_ledger(settings)) if guarded else None
+    ledger = graph.ledger if graph.ledger is not None else make_ledger(settings)
+    service = graph.policy_service(bus=bus, ledger=ledger) if guarded else None
     actuators = graph.actuators(fleet.engines) if guarded else {}
     commands_sub = bus.subscribe([topics.name("commands")], "kvguard-actuators")
     result = RunResult("guarded" if guarded else "baseline", {})
@@ -144,13 +153,11 @@ async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: fl
         ticks += more_ticks
         alerts += more_alerts
         for alert in alerts:
-            record = alert_record(alert)
-            bus.append(topics.name("alerts"), alert.node, json.dumps(record).encode(),
-                       make_headers("alerts", alert.node))
+            bus.append(topics.name("alerts"), alert.node, encode_alert(alert),
+                       output_headers("alerts", alert.node, alert.ts_ns, f"/{alert.rule}/{alert.state}"))
             (alerts_firing[alert.node].add if alert.state == "firing" else alerts_firing[alert.node].discard)(alert.rule)
         for tick in ticks:
-            bus.append(topics.name("metrics"), tick.node, json.dumps(tick.to_dict()).encode(),
-                       make_headers("metrics", tick.node))
+            bus.append(topics.name("metrics"), tick.node, encode_tick(tick), output_headers("metrics", tick.node, tick.ts_ns))
             result.series.setdefault(tick.node, []).append(
                 (tick.ts_ns / NS, tick.u_kv, tick.f_ext, tick.psi, tick.p_oom))
             if tick.ooms:
@@ -260,6 +267,7 @@ def demo(
     no_lstm: bool = typer.Option(False, "--no-lstm", help="Run without the LSTM tier."),
     bus: str = typer.Option(None, "--bus", help="kafka://HOST:PORT runs the parts as services over Kafka."),
     redis: str = typer.Option(None, "--redis", help="redis://… puts the budget ledger in Redis."),
+    speed: float = typer.Option(10.0, "--speed", min=0.1, help="With --bus: simulated seconds per wall second."),
     config: Path = typer.Option(None, "--config", help="Settings file (TOML/JSON)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
@@ -287,11 +295,16 @@ def demo(
     console.print(f"kvguard demo: {len(wl.requests)} requests ({workload} ×{rate_scale:g}, "
                   f"{duration_s / 60:.0f} min) on {gpus} × {graph.profile.name}; {graph.predictor_note}")
     live = not json_out and console.is_terminal
-    if bus and bus.startswith("kafka://"):
-        from kvguard.cli.demo_kafka import run_over_kafka
-
-        baseline, guarded = run_over_kafka(graph, wl, bus=bus, redis=redis, n_gpus=gpus, duration_s=duration_s,
-                                           seed=seed, console=console)
+    if bus:
+        baseline = _run(graph, wl, gpus, duration_s, seed, False, live, console)
+        console.print(f"closed loop over {bus} ({'redis' if redis else 'in-memory'} budget ledger) at "
+                      f"{speed:g}× real time: about {duration_s / speed:.0f} s")
+        try:
+            guarded = asyncio.run(run_over_bus(graph, wl, bus=bus, redis=redis, n_gpus=gpus,
+                                               duration_s=duration_s, seed=seed, speed=speed))
+        except Exception as err:  # broker or redis unreachable: say which, do not dump a traceback
+            console.print(f"[red]error:[/red] {type(err).__name__}: {err}")
+            raise typer.Exit(1) from None
     else:
         if redis:
             from kvguard.bootstrap import make_ledger
@@ -315,6 +328,72 @@ def demo(
         _print_comparison(result, console)
         if not no_report:
             console.print(f"report: {result['report']}")
+
+
+async def run_over_bus(graph: Any, workload: Any, *, bus: str, redis: str | None, n_gpus: int, duration_s: float,
+                       seed: int, speed: float) -> RunResult:
+    """The closed loop as concurrent services over a real bus: the node (engine, producer,
+    actuators), the stream service and the policy service, each with its own consumer group.
+
+    The run gets its own topics (prefix ``kvguard-demo-<id>.``, created first: Tansu does not
+    auto-create) so that records of an earlier run are never read as this one's.
+    """
+    import secrets
+
+    from kvguard.bootstrap import make_bus, make_ledger
+    from kvguard.cli.node import run_node
+    from streams.embedded import StreamsService
+
+    run_id = secrets.token_hex(4)
+    settings = graph.settings.model_copy(update={
+        "topics": graph.settings.topics.model_copy(update={"prefix": f"kvguard-demo-{run_id}."})})
+    graph.settings = settings
+    carrier = make_bus(settings, bus)
+    if hasattr(carrier, "kafka"):
+        from kvguard.bus.kafka import create_topics
+
+        await create_topics(carrier.kafka, settings.topics.all())
+    ledger = make_ledger(settings, redis)
+    await carrier.start()
+    result = RunResult("guarded", {})
+    streams = StreamsService(carrier, settings, graph.predictor, group=f"kvguard-demo-{run_id}-streams")
+    service = graph.policy_service(bus=carrier, ledger=ledger)
+    handle = service.handle_tick
+
+    def observe(tick: dict):
+        result.series.setdefault(tick["node"], []).append(
+            (tick["ts_ns"] / 1e9, tick["u_kv"], tick["f_ext"], tick["psi"], tick.get("p_oom")))
+        if tick.get("ooms"):
+            result.oom_times.setdefault(tick["node"], []).append(tick["ts_ns"] / 1e9)
+        return handle(tick)
+
+    service.handle_tick = observe
+    stop = asyncio.Event()
+    acks: list = []
+    tasks = [asyncio.create_task(streams.run()),
+             asyncio.create_task(service.run(group=f"kvguard-demo-{run_id}-policy", stop=stop, poll_s=0.02))]
+    wall0 = time.perf_counter()
+    try:
+        summary = await run_node(graph, carrier, workload, n_gpus=n_gpus, duration_s=duration_s, speed=speed,
+                                 seed=seed, acks_out=acks)
+    finally:
+        stop.set()
+        streams.stop()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await carrier.stop()
+        ledger.close()
+    result.wall_seconds = round(time.perf_counter() - wall0, 3)
+    for ack in acks:
+        result.actions.setdefault(ack.node, Counter())[f"{ack.action}:{ack.outcome.value}"] += 1
+    total = Counter()
+    for c in result.actions.values():
+        total.update(c)
+    summary["kvguard"] = {"policy": service.engine.counters.as_dict(), "actuators": summary.pop("actuators", {}),
+                          "acks": dict(sorted(total.items())),
+                          "mode_changes": [c.to_dict() for c in service.mode_changes],
+                          "predictor": graph.predictor_note, "bus": bus, "topic_prefix": settings.topics.prefix}
+    result.summary = summary
+    return result
 
 
 def _run(graph, wl, gpus, duration_s, seed, guarded, live, console) -> RunResult:

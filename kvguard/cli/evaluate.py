@@ -83,7 +83,7 @@ def eval_command(
                                  "false_alarms_per_hour": per_run["false_alarms_per_hour"]})
                 bar.update(task, completed=i + 1, info=f"{spec.key()}: {per_run['ooms']} OOMs")
         title = ", ".join(sorted(set(workload)))
-    result = evaluate_traces(traces, horizon_s=meta.horizon_s)
+    result = evaluate_traces(traces, horizon_s=meta.horizon_s, threshold=meta.threshold)
     out = result.to_dict()
     lstm, thr = out["lead_time_median_s"]["lstm"], out["lead_time_median_s"]["threshold"]
     out.update({

@@ -24,7 +24,8 @@ from kvguard.cli.app import app
 
 async def run_node(graph: Any, bus: Any, workload: Any, *, n_gpus: int, duration_s: float, speed: float,
                    seed: int = 0, host: str = "sim-0", actuate: bool = True, journal_dir: str | Path | None = None,
-                   step_wall_s: float = 0.05, on_progress: Any = None, acks_out: list | None = None) -> dict:
+                   step_wall_s: float = 0.05, on_progress: Any = None, acks_out: list | None = None,
+                   on_ack: Any = None) -> dict:
     """Run the node until ``duration_s`` of simulated time; returns the summary dict."""
     from actuators.actuator import run_actuators
     from producers.engine import NS
@@ -39,11 +40,17 @@ async def run_node(graph: Any, bus: Any, workload: Any, *, n_gpus: int, duration
     stop = asyncio.Event()
     actuators = graph.actuators(fleet.engines, journal_dir=journal_dir) if actuate else {}
     acks: list = acks_out if acks_out is not None else []
+
+    def record_ack(ack) -> None:
+        acks.append(ack)
+        if on_ack is not None:
+            on_ack(ack)
+
     tasks = []
     if actuators:
         tasks.append(asyncio.create_task(run_actuators(
             bus, settings, actuators, node_time_ns=lambda node: engines[node].now_ns,
-            group=f"kvguard-actuators-{host}", stop=stop, on_ack=acks.append, poll_s=0.02)))
+            group=f"kvguard-actuators-{host}", stop=stop, on_ack=record_ack, poll_s=0.02)))
     end_ns = int(duration_s * NS)
     wall0 = time.perf_counter()
     try:

@@ -34,7 +34,7 @@ def train_command(
 
     from kvguard.cli.dataset import build_with_progress, progress_bar, resolve_specs
     from streams.dataset import DatasetError, TickDataset
-    from streams.lstm import describe, save_model
+    from streams.lstm import count_parameters, describe, save_model
     from streams.training import TrainConfig, train
 
     console = Console(stderr=True)
@@ -65,7 +65,8 @@ def train_command(
                                           + f" --seed {seed}" + (f" --epochs {epochs}" if epochs else "")}
     weights, meta_path = save_model(result.net, result.metadata, out)
     summary = dict(describe(result.metadata), weights=str(weights), metadata=str(meta_path),
-                   weights_bytes=weights.stat().st_size, train_seconds=round(result.seconds, 1),
+                   parameters=count_parameters(result.net), weights_bytes=weights.stat().st_size,
+                   train_seconds=round(result.seconds, 1),
                    history=result.history)
     if as_json:
         typer.echo(json.dumps(summary))

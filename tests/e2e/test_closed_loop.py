@@ -98,3 +98,39 @@ def test_policy_over_kafka_executes_commands_and_prevents_ooms(kafka_settings, r
     assert baseline["ooms"] >= 10, baseline
     assert guarded["ooms"] <= baseline["ooms"] // 2, (guarded, baseline)
     assert guarded["completed"] > baseline["completed"], (guarded, baseline)
+
+
+def test_embedded_closed_loop_is_deterministic_and_prevents_ooms():
+    from kvguard.bootstrap import bootstrap
+    from kvguard.cli.demo import compare, demo_workload, run_embedded
+
+    graph = bootstrap(predictor=None)
+    name, rate, duration_s = WORKLOAD
+    wl = demo_workload(graph.profile, workload=name, rate_scale=rate, duration_s=duration_s, seed=0)
+    runs = [asyncio.run(run_embedded(graph, wl, n_gpus=GPUS, duration_s=duration_s, seed=0, guarded=g))
+            for g in (False, True, True)]
+    baseline, guarded, again = (r.summary for r in runs)
+    drop = ("wall_seconds",)
+    assert {k: v for k, v in guarded.items() if k not in drop} == {k: v for k, v in again.items() if k not in drop}
+    result = compare(baseline, guarded)
+    assert baseline["ooms"] >= 10
+    assert result["oom_reduction"] >= 0.9
+    assert guarded["preemptions"] < baseline["preemptions"]
+    assert result["goodput_ratio"] >= 1.0 and result["ttft_p99_ratio"] <= 1.0
+    assert guarded["kvguard"]["actuators"]["executed"] > 0
+    assert guarded["kvguard"]["actuators"]["rejected_signature"] == 0
+
+
+def test_demo_cli_prints_the_comparison_as_json(tmp_path):
+    out = subprocess.run([sys.executable, "-c", "from kvguard.cli import main; main()", "demo", "--json",
+                          "--duration", "3m", "--gpus", "2", "--no-lstm", "--report", str(tmp_path / "report")],
+                         capture_output=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    result = json.loads(out.stdout)
+    for key in ("baseline", "guarded", "oom_reduction", "preemption_reduction", "goodput_ratio", "ttft_p99_ratio"):
+        assert key in result
+    for key in ("requests", "completed", "failed", "ooms", "preemptions", "ttft_p99_s", "goodput_tokens_per_s",
+                "events", "sim_seconds", "wall_seconds"):
+        assert key in result["baseline"] and key in result["guarded"]
+    assert {p.name for p in (tmp_path / "report").iterdir()} >= {"summary.json", "report.md", "timeline.png",
+                                                                  "outcomes.png"}

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -65,8 +64,9 @@ async def publish_batches(settings, batches: list[EventBatch], extra: list[tuple
 class WorkerProcess:
     """``kvguard worker`` as a real process (so a test can SIGKILL it)."""
 
-    def __init__(self, settings, app_id: str, *, checkpoint_every_ticks: int = 2, name: str = "w"):
-        self.dir = Path(tempfile.mkdtemp(prefix="kvguard-worker-"))
+    def __init__(self, settings, app_id: str, directory: Path, *, checkpoint_every_ticks: int = 2, name: str = "w"):
+        self.dir = Path(directory) / name
+        self.dir.mkdir(parents=True, exist_ok=True)
         self.config = self.dir / "settings.json"
         self.config.write_text(settings.model_dump_json())
         self.app_id = app_id

@@ -40,7 +40,7 @@ async def test_embedded_service_log_replay_and_faust_give_identical_records(kafk
     inproc_alerts = [r.value for r in records if r.topic.endswith("alerts")]
 
     # 3. the Faust worker on the real broker
-    worker = WorkerProcess(kafka_settings, f"kvg-{uuid.uuid4().hex[:8]}")
+    worker = WorkerProcess(kafka_settings, f"kvg-{uuid.uuid4().hex[:8]}", tmp_path)
     try:
         async with OutputReader(kafka_settings, "reader") as out:
             await publish_batches(kafka_settings, batches)

@@ -25,11 +25,11 @@ def app_id() -> str:
     return f"kvg-{uuid.uuid4().hex[:8]}"
 
 
-async def test_worker_recovers_node_state_from_the_changelog_after_sigkill(kafka_settings, log_batches):
+async def test_worker_recovers_node_state_from_the_changelog_after_sigkill(kafka_settings, log_batches, tmp_path):
     expected, _ = expected_records(log_batches)
     half = len(log_batches) // 2
     first_ticks = len(expected_records(log_batches[:half])[0])
-    worker = WorkerProcess(kafka_settings, app_id(), checkpoint_every_ticks=2)
+    worker = WorkerProcess(kafka_settings, app_id(), tmp_path, checkpoint_every_ticks=2)
     try:
         async with OutputReader(kafka_settings, "reader") as out:
             await publish_batches(kafka_settings, log_batches[:half])
@@ -50,11 +50,30 @@ async def test_worker_recovers_node_state_from_the_changelog_after_sigkill(kafka
         worker.stop()
 
 
-async def test_two_workers_split_partitions_and_produce_the_same_ticks_as_one(kafka_settings, log_batches):
+async def test_worker_killed_while_consuming_loses_no_tick(kafka_settings, log_batches, tmp_path):
+    expected, _ = expected_records(log_batches)
+    worker = WorkerProcess(kafka_settings, app_id(), tmp_path, checkpoint_every_ticks=2)
+    try:
+        async with OutputReader(kafka_settings, "reader") as out:
+            await publish_batches(kafka_settings, log_batches)
+            worker.start()
+            await out.until(lambda o: len(o.of("metrics")) >= len(expected) // 3, what="a third of the ticks")
+            worker.kill()  # mid-stream: records in flight, outputs and changelog partly sent
+            worker.start()
+            await out.until(lambda o: len(tick_map(o.of("metrics"))[0]) >= len(expected), what="every tick")
+            await out.settle()
+        got, duplicates = tick_map(out.of("metrics"))
+        assert got == expected
+        assert duplicates <= len(expected)
+    finally:
+        worker.stop()
+
+
+async def test_two_workers_split_partitions_and_produce_the_same_ticks_as_one(kafka_settings, log_batches, tmp_path):
     expected, expected_alerts = expected_records(log_batches)
     app = app_id()
-    a = WorkerProcess(kafka_settings, app, name="a").start()
-    b = WorkerProcess(kafka_settings, app, name="b").start()
+    a = WorkerProcess(kafka_settings, app, tmp_path, name="a").start()
+    b = WorkerProcess(kafka_settings, app, tmp_path, name="b").start()
     try:
         async with OutputReader(kafka_settings, "reader") as out:
             await asyncio.sleep(3)  # both join before the records arrive
@@ -73,9 +92,9 @@ async def test_two_workers_split_partitions_and_produce_the_same_ticks_as_one(ka
         b.stop()
 
 
-async def test_bad_records_go_to_the_dlq_and_the_worker_lives_on(kafka_settings, log_batches):
+async def test_bad_records_go_to_the_dlq_and_the_worker_lives_on(kafka_settings, log_batches, tmp_path):
     expected, _ = expected_records(log_batches[:20])
-    worker = WorkerProcess(kafka_settings, app_id())
+    worker = WorkerProcess(kafka_settings, app_id(), tmp_path)
     try:
         async with OutputReader(kafka_settings, "reader") as out:
             await publish_batches(kafka_settings, [], extra=[("sim-0/gpu0", b"\x00not json"),
@@ -91,12 +110,12 @@ async def test_bad_records_go_to_the_dlq_and_the_worker_lives_on(kafka_settings,
         worker.stop()
 
 
-async def test_a_seq_gap_is_read_again_once_then_marks_the_node_unsynced(kafka_settings, log_batches):
+async def test_a_seq_gap_is_read_again_once_then_marks_the_node_unsynced(kafka_settings, log_batches, tmp_path):
     lost = next(i for i, b in enumerate(log_batches) if b.node == "sim-0/gpu0" and b.seq == 8)
     gapped = log_batches[:lost] + log_batches[lost + 1:]
     expected, _ = expected_records(gapped)
     assert any(not d["synced"] for d in expected.values())  # the embedded core sees the gap too
-    worker = WorkerProcess(kafka_settings, app_id())
+    worker = WorkerProcess(kafka_settings, app_id(), tmp_path)
     try:
         async with OutputReader(kafka_settings, "reader") as out:
             await publish_batches(kafka_settings, gapped)

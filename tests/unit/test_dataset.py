@@ -134,3 +134,14 @@ def test_hysteresis_follows_the_alert_engine_rule():
     assert firing.tolist() == [False, True, True, True, True, True, True, True, True, True, True, True]
     firing = hysteresis(ts, p, 0.5, 30.0)
     assert firing.tolist() == [False, True, True, True, True, False, False, False, True, True, True, True]
+
+
+def test_first_crash_weights_mark_only_the_horizon_before_isolated_ooms():
+    from streams.training import first_crash_weights
+
+    ts = np.arange(200, dtype=np.int64) * 10 * NS_PER_S
+    ooms = np.array([500, 600, 1500], dtype=np.int64) * NS_PER_S  # 600 follows 500: not isolated
+    w = first_crash_weights(ts, ooms, 300.0, 3.0)
+    heavy_s = (ts[w == 3.0] // NS_PER_S).tolist()
+    assert heavy_s == list(range(200, 500, 10)) + list(range(1200, 1500, 10))
+    assert first_crash_weights(ts, ooms, 300.0, 1.0).tolist() == [1.0] * 200

@@ -145,6 +145,14 @@ def test_isolated_lead_times_are_reported_separately():
     assert d["isolated_lead_time_median_s"]["lstm"] == 300.0
 
 
+def test_operating_point_reports_rates_at_the_given_threshold():
+    tr = make_trace()
+    d = ev.evaluate_traces([tr], threshold=0.95).to_dict()
+    assert d["at_operating_threshold"] == {"threshold": 0.95, "tpr": 0.0, "fpr": 0.0}
+    d = ev.evaluate_traces([tr], threshold=0.5).to_dict()
+    assert d["at_operating_threshold"]["tpr"] == 1.0 and d["at_operating_threshold"]["fpr"] == 0.0
+
+
 def test_evaluate_traces_names_a_missing_tier():
     tr = make_trace()
     del tr.firing["slope"]

@@ -1,6 +1,5 @@
 """The executor carries commands out on a real shadow engine and paged pool."""
 
-import numpy as np
 import pytest
 
 from actuators.executor import Executor

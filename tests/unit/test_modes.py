@@ -59,3 +59,33 @@ def test_modes_are_per_node():
     tracker = ModeTracker()
     tracker.observe(view(0, 0.5, ooms=1))
     assert tracker.mode("n") is Mode.EMERGENCY and tracker.mode("other") is Mode.DEFAULT
+
+
+def test_mode_changes_are_published_as_alerts_by_the_service():
+    import asyncio
+
+    import orjson
+
+    from kvguard.bus.inproc import InprocBus
+    from kvguard.settings import Settings
+    from policy.budget import BudgetConfig, MemoryBudgetLedger, tick_week
+    from policy.engine import EngineConfig, PolicyEngine
+    from policy.service import MODE_ALERT, PolicyService
+
+    settings = Settings()
+    bus = InprocBus.from_settings(settings)
+    service = PolicyService(PolicyEngine(EngineConfig(dynamic_units=1000), b"k"), settings, bus=bus,
+                            ledger=MemoryBudgetLedger(BudgetConfig()))
+
+    async def run():
+        for i, ooms in enumerate([0, 1]):
+            tick = {"node": "n", "ts_ns": (i + 1) * 10 * S, "tick_s": 10.0, "u_kv": 0.6, "f_ext": 0.7,
+                    "f_int": 0.0, "psi": 0.9, "free_units": 300, "largest_free_run_units": 100, "ooms": ooms}
+            await service.publish(service.handle_tick(tick))
+        sub = bus.subscribe([settings.topics.name("alerts")], "t")
+        return [orjson.loads(r.value) for r in await sub.getmany(timeout_s=0)]
+
+    alerts = asyncio.run(run())
+    assert [(a["name"], a["status"], a["labels"]["mode"]) for a in alerts] == [(MODE_ALERT, "firing", "emergency")]
+    assert "OOM" in alerts[0]["summary"]
+    assert service.ledger.remaining("n", tick_week(10 * S)) < 3600, "F_ext 0.7 ticks were debited"

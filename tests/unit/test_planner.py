@@ -184,7 +184,13 @@ def busy(ts_s=60, **changes) -> NodeView:
 
 
 def test_calm_node_gets_no_commands():
-    assert engine().decide(view()).commands == []
+    assert engine().decide(view(u_kv=0.3)).commands == []
+
+
+def test_a_busy_node_holds_headroom_before_any_risk_shows():
+    decision = engine().decide(view(u_kv=0.6))
+    assert [c.action for c in decision.commands] == [Action.HEADROOM]
+    assert "busy" in decision.commands[0].reason
 
 
 def test_contiguity_risk_holds_admission_headroom_and_compacts_with_signed_commands():
@@ -243,7 +249,8 @@ def test_an_oom_escalates_to_emergency_with_a_larger_hold():
 def test_headroom_is_released_after_calm_ticks():
     e = engine(headroom_calm_ticks=2)
     e.decide(busy(ts_s=10, largest_free_run_units=300))
-    holds = [[c.units_needed for c in e.decide(view(ts_ns=int(t * 1e9))).commands if c.action is Action.HEADROOM]
+    holds = [[c.units_needed for c in e.decide(view(ts_ns=int(t * 1e9), u_kv=0.3)).commands
+              if c.action is Action.HEADROOM]
              for t in (20, 30, 40)]
     assert holds == [[], [0], []]
 

@@ -20,7 +20,7 @@ from kvguard.events import Geometry, Handling
 from producers.allocator import FreeRunAllocator
 from producers.engine import NS, Engine
 from producers.fleet import Fleet
-from producers.pool import PagedPool, PoolError, PoolExhausted, _Page
+from producers.pool import PagedPool, PoolError, _Page, _Table
 from producers.profiles import load_profile
 from producers.workloads import load_workload
 
@@ -47,6 +47,16 @@ class SlowAllocator(FreeRunAllocator):
     def free_many(self, blocks):
         for offset, size in blocks:
             self.free(offset, size)
+
+    def take_aligned(self, size, n):
+        out = []
+        for _ in range(n):
+            offset = self.alloc(size, size)
+            if offset is None:
+                self.free_many([(o, size) for o in out])
+                return None
+            out.append(offset)
+        return out
 
 
 class SlowPool(PagedPool):
@@ -116,7 +126,12 @@ def test_allocator_fast_paths_match_one_block_at_a_time(seed):
                 got = fast.take_units(n)
                 assert got == slow.take_units(n), f"step {step}: take_units({n})"
                 held += [(o, 1) for o in got]
-        elif op < 0.65:
+        elif op < 0.5:
+            size, n = rng.choice([2, 4, 8, 16]), rng.randint(1, 8)
+            got = fast.take_aligned(size, n)
+            assert got == slow.take_aligned(size, n), f"step {step}: take_aligned({size}, {n})"
+            held += [(o, size) for o in got or ()]
+        elif op < 0.7:
             size = rng.choice([1, 2, 4, 8, 16, 5, 13])
             align = rng.choice([1, size]) if size & (size - 1) == 0 else 1
             assert fast.find(size, align) == slow.find(size, align), f"step {step}: find({size}, {align})"
@@ -140,6 +155,16 @@ def test_take_units_refuses_more_than_free_and_first_fit():
         a.take_units(5)
     with pytest.raises(ValueError, match="take_units"):
         FreeRunAllocator(4, "first").take_units(1)
+    with pytest.raises(ValueError, match="take_aligned"):
+        FreeRunAllocator(8).take_aligned(3, 1)
+
+
+def test_take_aligned_is_all_or_nothing():
+    a = FreeRunAllocator(40)
+    runs = a.runs()
+    assert a.take_aligned(16, 3) is None  # two aligned 16-blocks fit in 40 units, not three
+    assert a.runs() == runs and a.free_units == 40
+    assert a.take_aligned(16, 2) == [0, 16]
 
 
 def test_find_with_avoid_unchanged():
@@ -212,11 +237,22 @@ def test_random_operations_same_state_and_rows(classes, unit_tokens, fit, seed):
             both(pools, "compact", now, rng.randint(1, 4))
         elif op < 0.985:
             both(pools, "can_grow", req, rng.randint(1, 80), chain_of.get(req, ()))
+            both(pools, "units_needed", req, rng.randint(0, 200), chain_of.get(req, ()) if rng.random() < 0.5 else ())
         else:
             both(pools, "reset", now)
             chain_of.clear()
             ws.clear()
         assert_same(fast, slow, where)
+
+
+@pytest.mark.parametrize("classes,unit_tokens", [((1, 16), 4), ((1,), 16), ((1, 4, 16), 1), ((1, 8), 2)])
+def test_unhashed_units_needed_counts_the_plan(classes, unit_tokens):
+    pool = PagedPool(geometry(classes, units=4000, unit_tokens=unit_tokens))
+    table = _Table()
+    for pos in range(0, 160):
+        for rest in range(0, 160):
+            plan = pool._plan(table, pos, rest)
+            assert pool._plan_units(pos, rest) == sum(classes[c] for c, _, _, _ in plan), (pos, rest)
 
 
 def test_grow_many_equals_single_grows_and_stops_untouched():

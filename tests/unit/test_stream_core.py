@@ -227,7 +227,9 @@ def test_config_maps_from_settings():
                                   "KVGUARD_PREDICTOR__THRESHOLD": "0.4"})
     config = StreamConfig.from_settings(settings.streams, settings.predictor)
     assert config.tick_s == 5 and config.thresholds.frag_for_s == 60 and config.thresholds.p_oom == 0.4
-    assert config.reserved_frac == settings.streams.reserved_frac
+    assert config.reserved_frac is None  # not set: each geometry's own reserve (Ψ equals the pool's)
+    explicit = Settings.load(env={"KVGUARD_STREAMS__RESERVED_FRAC": "0.08"})
+    assert StreamConfig.from_settings(explicit.streams).reserved_frac == 0.08
 
 
 def test_metrics_cli_prints_tick_and_alert_lines_for_an_event_log(tmp_path):
