@@ -60,7 +60,7 @@ class EngineConfig:
     engine_reserve_units: int = 0  # what the engine keeps free by itself (watermark + one step's workspace)
     use_headroom: bool = True
     headroom_from_u_kv: float = 0.5  # a busy node holds headroom already; 1.0: only when at risk
-    headroom_calm_ticks: int = 6
+    headroom_calm_ticks: int = 30  # sticky: a late hold (lagging bus) costs more than a long one
     headroom_refresh_s: float = 60.0  # re-send the current hold this often (acks may be lost)
 
 

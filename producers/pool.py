@@ -313,7 +313,14 @@ class PagedPool:
         if int(kind) not in _LIFECYCLE_KINDS:
             raise ValueError(f"record_event: kind {EventKind(kind).name} changes memory; only "
                              f"{sorted(EventKind(k).name for k in _LIFECYCLE_KINDS)} may be recorded")
-        self._emit(now_ns, int(kind), cls, flags, req, offset, size, tokens, aux)
+        try:
+            row = _pack_row(now_ns, int(kind), cls, flags, req, offset, size, tokens, aux)
+        except struct.error as e:
+            raise ValueError(f"record_event: {EventKind(kind).name} row does not fit EVENT_DTYPE (cls and flags "
+                             f"0-255, the rest int64): {e}") from None
+        if self._pending_fill:
+            self._flush_fill()
+        self._rows += row
 
     # ======================================================================= request memory
     def grow(self, req: int, n_tokens: int, now_ns: int, block_hashes: Sequence = (), *,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.streams_helpers import ROOT, WorkerProcess
+ROOT = Path(__file__).resolve().parents[2]
 
 GPUS = 4
 WORKLOAD = ("mixed", 2.25, 900.0)  # scenario, rate scale, simulated seconds: the demo's --quick stress
@@ -37,6 +37,15 @@ def stop(proc: subprocess.Popen, timeout_s: float = 20.0) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
     return out.decode()
+
+
+def wait_for(log: Path, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if log.exists() and text in log.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{log.name} never said {text!r}:\n{log.read_text(errors='replace')[-3000:]}")
 
 
 def baseline_summary() -> dict:
@@ -67,11 +76,15 @@ def test_policy_over_kafka_executes_commands_and_prevents_ooms(kafka_settings, r
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     bus = f"kafka://{settings.kafka.bootstrap}"
 
-    worker = WorkerProcess(settings, f"{settings.topics.prefix}streams", name="worker").start()
+    worker = kvguard("worker", "--app-id", f"{settings.topics.prefix}streams", "--datadir", str(tmp_path / "faust"),
+                     "--loglevel", "info", config=config, log=tmp_path / "worker.log", env=env)
     policy = kvguard("policy", "--bus", bus, "--redis", redis_url, "--json", config=config,
                      log=tmp_path / "policy.log", env=env)
     try:
-        time.sleep(5)  # let the worker and the policy join their groups (they read from the start anyway)
+        # the loop is only as fast as its slowest hop: start the node once the worker is up
+        wait_for(tmp_path / "worker.log", "Ready", timeout_s=90)
+        wait_for(tmp_path / "policy.log", "kvguard policy:", timeout_s=30)
+        time.sleep(2)  # group joins
         name, rate, duration_s = WORKLOAD
         node = subprocess.run(
             [sys.executable, "-c", "from kvguard.cli import main; main()", "node", "--gpus", str(GPUS),
@@ -83,7 +96,7 @@ def test_policy_over_kafka_executes_commands_and_prevents_ooms(kafka_settings, r
         guarded = json.loads(node.stdout.decode().strip().splitlines()[-1])
     finally:
         policy_out = stop(policy)
-        worker.stop()
+        stop(worker)
     policy_counters = json.loads(policy_out.strip().splitlines()[-1]) if policy_out.strip() else {}
     baseline = baseline_summary()
 

@@ -16,7 +16,7 @@ from bisect import bisect_left
 import numpy as np
 import pytest
 
-from kvguard.events import Geometry, Handling
+from kvguard.events import EVENT_DTYPE, EventKind, Geometry, Handling
 from producers.allocator import FreeRunAllocator
 from producers.engine import NS, Engine
 from producers.fleet import Fleet
@@ -293,6 +293,19 @@ def test_pending_fill_is_not_flushed_by_a_release_without_rows():
         pool.release(1, 4)  # swapped entry only: no row
         pool.grow(2, 1, 5)  # merges into the same FILL row
     assert_same(fast, slow, "fill")
+
+
+def test_take_events_is_the_rows_in_event_dtype_and_bad_lifecycle_rows_are_refused():
+    pool = PagedPool(geometry((1, 16), units=64, unit_tokens=4))
+    pool.record_event(EventKind.ARRIVE, 5, req=3, cls=7, flags=1, tokens=100, aux=2**62)
+    pool.grow(3, 70, 6)
+    rows = pool.take_events()
+    assert rows.dtype == EVENT_DTYPE and rows.flags.writeable
+    assert rows[0].tolist() == (5, int(EventKind.ARRIVE), 7, 1, 3, 0, 0, 100, 2**62)
+    assert [int(k) for k in rows["kind"]] == [int(EventKind.ARRIVE)] + [int(EventKind.ALLOC)] * 3
+    with pytest.raises(ValueError, match="cls and flags 0-255"):
+        pool.record_event(EventKind.FINISH, 7, req=3, flags=256)
+    assert len(pool.take_events()) == 0
 
 
 # ------------------------------------------------------------------------------- engine
