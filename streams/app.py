@@ -11,15 +11,15 @@ table ``<app_id>-state`` holds one key per node, ``C|<node>``: the events offset
 applied batch (8 bytes) followed by ``NodeState.to_bytes()``, written at the node's first batch
 and then every ``checkpoint_every_ticks`` of its ticks. The events topic itself is the log between
 checkpoints: a worker that meets a node it has no memory of (startup, a partition moved to it)
-loads the checkpoint; the node's next batch then shows a seq gap, and the worker seeks the
-partition back to just after the checkpoint's offset and reads it again (records of nodes already
-up to date are skipped by ``seq``; re-read batches re-send their ticks: duplicates within
-at-least-once, identical bytes).
+loads the checkpoint; the node's next batch then shows a seq gap, and the worker reads the
+node's batches between the checkpoint's offset and that record back from the topic
+(``FetchBack``: a short-lived group-less consumer) and applies them. Their ticks are sent again:
+duplicates within at-least-once, identical bytes.
 
-The same rewind covers the consumer itself: faust-streaming 0.15 can drop a record whose delivery
-is cancelled while the flow is suspended during recovery, and still mark it read (seen on Tansu at
-worker start). A seq gap is therefore read again once from the node's last applied offset; only a
-gap that survives the re-read marks the node unsynced (the core's rule for lost batches).
+The same gap fill covers the consumer itself: faust-streaming 0.15 can drop a record whose
+delivery is cancelled while the flow is suspended during recovery, and still mark it read (seen on
+Tansu at worker start). Any seq gap is read back once; only batches the topic does not hold stay
+missing, and the core then marks the node unsynced until the next snapshot.
 
 Ordering: outputs are sent as they are made; before a checkpoint is written every output sent so
 far is awaited (a checkpoint never gets ahead of the ticks its batches produced), and Faust flushes
@@ -105,7 +105,7 @@ class WorkerCounters:
     checkpoints: int = 0
     nodes_restored: int = 0
     nodes_dropped: int = 0
-    rewinds: int = 0
+    gap_fills: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -120,7 +120,7 @@ class StreamsWorker:
 
     def __init__(self, settings, config: StreamConfig, predictor: Predictor | None, *, table, metrics_topic,
                  alerts_topic, dlq_topic, checkpoint_every_ticks: int = 6, app_id: str = DEFAULT_APP_ID,
-                 consumer=None):
+                 fetch_back=None):
         if checkpoint_every_ticks <= 0:
             raise ValueError(f"checkpoint_every_ticks must be > 0, got {checkpoint_every_ticks}")
         self.settings = settings
@@ -134,11 +134,8 @@ class StreamsWorker:
         self.partition_of: dict[str, int] = {}
         self.ticks_since_checkpoint: dict[str, int] = {}
         self.last_offset: dict[str, int] = {}  # events offset of each node's last applied batch
-        self.rewound: dict[str, tuple[int, int]] = {}  # node -> (epoch, seq) already re-read once
-        self.rewind_to: dict[int, list[int]] = {}  # partition -> [target offset, records skipped]
-        self.max_rewind_skip = 100_000
         self.events_topic = settings.topics.name("events")
-        self.consumer = consumer or (lambda: None)
+        self.fetch_back = fetch_back or FetchBack(settings)
         self.checkpointed: set[str] = set()
         self.in_flight: list = []
         self.counters = WorkerCounters()
@@ -154,8 +151,6 @@ class StreamsWorker:
             message = event.message
             value = event.value
             self.counters.records += 1
-            if self._skip_for_rewind(message.partition, message.offset):
-                continue
             headers = _header_pairs(message.headers)
             try:
                 batch = decode_batch(value, headers)
@@ -167,8 +162,8 @@ class StreamsWorker:
             st = self.core.nodes.get(node)
             if st is None:
                 st = self.restore(node)
-            if self._missed_batches(node, st, batch) and await self._rewind(node, message.partition):
-                continue
+            if self._missed_batches(st, batch):
+                await self._fill_gap(node, st, batch, message, ticks, alerts, due)
             duplicates = st.duplicates
             new_ticks, new_alerts = self.core.process(batch)
             if st.duplicates != duplicates:
@@ -178,15 +173,185 @@ class StreamsWorker:
             self.counters.events += len(batch)
             ticks += new_ticks
             alerts += new_alerts
-            self.last_offset[node] = message.offset
-            n = self.ticks_since_checkpoint[node] = self.ticks_since_checkpoint.get(node, 0) + len(new_ticks)
-            if n >= self.checkpoint_every_ticks or node not in self.checkpointed:
-                due[node] = message.partition
+            self._applied(node, message.partition, message.offset, len(new_ticks), due)
         await self.publish(ticks, alerts)
         if due:  # a checkpoint must never get ahead of the outputs its batches produced
             await self.wait_outputs()
             for node, partition in due.items():
                 self.checkpoint(node, partition)
+
+    async def publish(self, ticks, alerts) -> None:
+        """Send outputs; delivery is awaited before the next checkpoint (and Faust flushes the
+        producer before it commits offsets), not per chunk."""
+        for tick in ticks:
+            self.in_flight.append(await self.metrics_topic.send(
+                key=tick.node.encode(), value=encode_tick(tick),
+                headers=output_headers("metrics", tick.node, tick.ts_ns)))
+        for alert in alerts:
+            self.in_flight.append(await self.alerts_topic.send(
+                key=alert.node.encode(), value=encode_alert(alert),
+                headers=output_headers("alerts", alert.node, alert.ts_ns, f"/{alert.rule}")))
+        self.in_flight = [f for f in self.in_flight if not f.done()]
+        self.counters.ticks += len(ticks)
+        self.counters.alerts += len(alerts)
+
+    async def wait_outputs(self) -> None:
+        if self.in_flight:
+            await asyncio.gather(*self.in_flight)
+            self.in_flight = []
+
+    def checkpoint(self, node: str, partition: int) -> None:
+        """``C|<node>`` = the events offset of the node's last applied batch (8 bytes) + its state."""
+        value = _OFFSET.pack(self.last_offset[node]) + self.core.nodes[node].to_bytes()
+        self.table.data[_node_key(b"C", node)] = value
+        # the changelog partition of the record that caused it (chunks have no single "current event")
+        self.table.send_changelog(partition, _node_key(b"C", node), value)
+        self.checkpointed.add(node)
+        self.ticks_since_checkpoint[node] = 0
+        self.counters.checkpoints += 1
+
+    def _applied(self, node: str, partition: int, offset: int, n_ticks: int, due: dict[str, int]) -> None:
+        self.last_offset[node] = offset
+        n = self.ticks_since_checkpoint[node] = self.ticks_since_checkpoint.get(node, 0) + n_ticks
+        if n >= self.checkpoint_every_ticks or node not in self.checkpointed:
+            due[node] = partition
+
+    def _missed_batches(self, st: NodeState, batch) -> bool:
+        """Batches of this node missing before ``batch`` that the events topic may still hold."""
+        return (st.epoch is not None and batch.epoch == st.epoch and batch.seq > st.seq + 1
+                and batch.node in self.last_offset)
+
+    async def _fill_gap(self, node: str, st: NodeState, batch, message, ticks, alerts, due) -> None:
+        """Read the node's missing batches back from the events topic (between its last applied
+        offset and this record) and apply them, outputs included. What the topic does not hold
+        stays a gap: the core then marks the node unsynced."""
+        from kvguard.schemas import DecodeError, decode_batch
+
+        start = self.last_offset[node] + 1
+        records = await self.fetch_back(self.events_topic, message.partition, start, message.offset)
+        self.counters.gap_fills += 1
+        found = 0
+        for offset, value in records:
+            try:
+                missing = decode_batch(value)
+            except DecodeError:
+                continue  # the main path dead-letters it
+            if missing.node != node or missing.epoch != batch.epoch or not st.seq < missing.seq < batch.seq:
+                continue
+            new_ticks, new_alerts = self.core.process(missing)
+            ticks += new_ticks
+            alerts += new_alerts
+            found += 1
+            self.counters.batches += 1
+            self.counters.events += len(missing)
+            self._applied(node, message.partition, offset, len(new_ticks), due)
+        log.warning("node %s: seq gap before seq %d; read %d missing batches back from %s/%d offsets %d..%d",
+                    node, batch.seq, found, self.events_topic, message.partition, start, message.offset - 1)
+
+    async def publish(self, ticks, alerts) -> None:
+        """Send outputs; delivery is awaited before the next checkpoint (and Faust flushes the
+        producer before it commits offsets), not per chunk."""
+        for tick in ticks:
+            self.in_flight.append(await self.metrics_topic.send(
+                key=tick.node.encode(), value=encode_tick(tick),
+                headers=output_headers("metrics", tick.node, tick.ts_ns)))
+        for alert in alerts:
+            self.in_flight.append(await self.alerts_topic.send(
+                key=alert.node.encode(), value=encode_alert(alert),
+                headers=output_headers("alerts", alert.node, alert.ts_ns, f"/{alert.rule}")))
+        self.in_flight = [f for f in self.in_flight if not f.done()]
+        self.counters.ticks += len(ticks)
+        self.counters.alerts += len(alerts)
+
+    async def wait_outputs(self) -> None:
+        if self.in_flight:
+            await asyncio.gather(*self.in_flight)
+            self.in_flight = []
+
+    def checkpoint(self, node: str, partition: int) -> None:
+        """``C|<node>`` = the events offset of the node's last applied batch (8 bytes) + its state."""
+        value = _OFFSET.pack(self.last_offset[node]) + self.core.nodes[node].to_bytes()
+        self.table.data[_node_key(b"C", node)] = value
+        # the changelog partition of the record that caused it (chunks have no single "current event")
+        self.table.send_changelog(partition, _node_key(b"C", node), value)
+        self.checkpointed.add(node)
+        self.ticks_since_checkpoint[node] = 0
+        self.counters.checkpoints += 1
+
+    def _missed_batches(self, node: str, st: NodeState, batch) -> bool:
+        """A seq gap the worker may have caused itself (the consumer skipped a record): the
+        node's batches after its last applied offset are read again once per gap."""
+        if st.epoch is None or batch.epoch != st.epoch or batch.seq <= st.seq + 1:
+            return False
+        return node in self.last_offset and self.rewound.get(node) != (st.epoch, st.seq)
+
+    async def publish(self, ticks, alerts) -> None:
+        """Send outputs; delivery is awaited before the next checkpoint (and Faust flushes the
+        producer before it commits offsets), not per chunk."""
+        for tick in ticks:
+            self.in_flight.append(await self.metrics_topic.send(
+                key=tick.node.encode(), value=encode_tick(tick),
+                headers=output_headers("metrics", tick.node, tick.ts_ns)))
+        for alert in alerts:
+            self.in_flight.append(await self.alerts_topic.send(
+                key=alert.node.encode(), value=encode_alert(alert),
+                headers=output_headers("alerts", alert.node, alert.ts_ns, f"/{alert.rule}")))
+        self.in_flight = [f for f in self.in_flight if not f.done()]
+        self.counters.ticks += len(ticks)
+        self.counters.alerts += len(alerts)
+
+    async def wait_outputs(self) -> None:
+        if self.in_flight:
+            await asyncio.gather(*self.in_flight)
+            self.in_flight = []
+
+    def checkpoint(self, node: str, partition: int) -> None:
+        """``C|<node>`` = the events offset of the node's last applied batch (8 bytes) + its state."""
+        value = _OFFSET.pack(self.last_offset[node]) + self.core.nodes[node].to_bytes()
+        self.table.data[_node_key(b"C", node)] = value
+        # the changelog partition of the record that caused it (chunks have no single "current event")
+        self.table.send_changelog(partition, _node_key(b"C", node), value)
+        self.checkpointed.add(node)
+        self.ticks_since_checkpoint[node] = 0
+        self.counters.checkpoints += 1
+
+    def _applied(self, node: str, partition: int, offset: int, n_ticks: int, due: dict[str, int]) -> None:
+        self.last_offset[node] = offset
+        n = self.ticks_since_checkpoint[node] = self.ticks_since_checkpoint.get(node, 0) + n_ticks
+        if n >= self.checkpoint_every_ticks or node not in self.checkpointed:
+            due[node] = partition
+
+    def _missed_batches(self, st: NodeState, batch) -> bool:
+        """Batches of this node missing before ``batch`` that the events topic may still hold."""
+        return (st.epoch is not None and batch.epoch == st.epoch and batch.seq > st.seq + 1
+                and batch.node in self.last_offset)
+
+    async def _fill_gap(self, node: str, st: NodeState, batch, message, ticks, alerts, due) -> None:
+        """Read the node's missing batches back from the events topic (between its last applied
+        offset and this record) and apply them, outputs included. What the topic does not hold
+        stays a gap: the core then marks the node unsynced."""
+        from kvguard.schemas import DecodeError, decode_batch
+
+        start = self.last_offset[node] + 1
+        records = await self.fetch_back(self.events_topic, message.partition, start, message.offset)
+        self.counters.gap_fills += 1
+        found = 0
+        for offset, value in records:
+            try:
+                missing = decode_batch(value)
+            except DecodeError:
+                continue  # the main path dead-letters it
+            if missing.node != node or missing.epoch != batch.epoch or not st.seq < missing.seq < batch.seq:
+                continue
+            new_ticks, new_alerts = self.core.process(missing)
+            ticks += new_ticks
+            alerts += new_alerts
+            found += 1
+            self.counters.batches += 1
+            self.counters.events += len(missing)
+            self._applied(node, message.partition, offset, len(new_ticks), due)
+        log.warning("node %s: seq gap before seq %d; read %d missing batches back from %s/%d offsets %d..%d",
+                    node, batch.seq, found, self.events_topic, message.partition, start, message.offset - 1)
 
     async def publish(self, ticks, alerts) -> None:
         """Send outputs; delivery is awaited before the next checkpoint (and Faust flushes the
@@ -275,8 +440,8 @@ class StreamsWorker:
         self.counters.alerts += len(alerts)
 
     def restore(self, node: str) -> NodeState:
-        """Rebuild a node from its checkpoint. The records after the checkpoint's offset are read
-        again (the first batch then shows a seq gap, which rewinds the partition)."""
+        """Rebuild a node from its checkpoint. Its batches after the checkpoint's offset are read
+        back when its next batch shows the seq gap (``_fill_gap``)."""
         core = self.core
         checkpoint = self.table.get(_node_key(b"C", node))
         if checkpoint is not None:
@@ -293,13 +458,10 @@ class StreamsWorker:
 
     def drop_partitions(self, partitions: set[int]) -> None:
         """Forget nodes of revoked partitions: their next owner continues from the table."""
-        for partition in partitions:
-            self.rewind_to.pop(partition, None)
         for node in [n for n, p in self.partition_of.items() if p in partitions]:
             self.core.nodes.pop(node, None)
             self.partition_of.pop(node, None)
             self.last_offset.pop(node, None)
-            self.rewound.pop(node, None)
             self.checkpointed.discard(node)
             self.ticks_since_checkpoint.pop(node, None)
             self.counters.nodes_dropped += 1
@@ -320,6 +482,49 @@ class StreamsWorker:
             headers=make_headers("dlq", "kvguard-streams",
                                  record_id=f"{message.topic}/{message.partition}/{message.offset}"))
         await fut
+
+
+class FetchBack:
+    """Reads a range of one events partition with a short-lived, group-less aiokafka consumer.
+
+    Faust's own consumer is not used for this: its ``seek`` touches the aiokafka consumer from
+    outside its thread (and stalled the fetcher in tests), and seeking would re-deliver records
+    the agent has already handled.
+    """
+
+    def __init__(self, settings, timeout_s: float = 30.0):
+        self.settings = settings
+        self.timeout_s = timeout_s
+
+    async def __call__(self, topic: str, partition: int, start: int, stop: int) -> list[tuple[int, bytes]]:
+        """(offset, value) of the records at offsets [start, stop)."""
+        import time
+
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        from kvguard.bus.kafka import client_kwargs
+
+        if stop <= start:
+            return []
+        consumer = AIOKafkaConsumer(group_id=None, enable_auto_commit=False, **client_kwargs(self.settings.kafka))
+        await consumer.start()
+        try:
+            tp = TopicPartition(topic, partition)
+            consumer.assign([tp])
+            consumer.seek(tp, start)
+            out: list[tuple[int, bytes]] = []
+            deadline = time.monotonic() + self.timeout_s
+            position = start
+            while position < stop and time.monotonic() < deadline:
+                got = await consumer.getmany(tp, timeout_ms=500, max_records=stop - position)
+                for record in got.get(tp, []):
+                    if record.offset >= stop:
+                        break
+                    out.append((record.offset, record.value))
+                    position = record.offset + 1
+            return out
+        finally:
+            await consumer.stop()
 
 
 def _header_pairs(headers) -> list[tuple[str, bytes]]:
@@ -365,8 +570,7 @@ def build_app(settings, *, predictor: Predictor | None = None, app_id: str = DEF
     table = app.Table(TABLE_NAME, default=None, partitions=events_partitions, key_type=bytes, value_type=bytes)
     worker = StreamsWorker(settings, config or StreamConfig.from_settings(settings.streams, settings.predictor),
                            predictor, table=table, metrics_topic=metrics, alerts_topic=alerts, dlq_topic=dlq,
-                           checkpoint_every_ticks=checkpoint_every_ticks, app_id=app_id,
-                           consumer=lambda: app.consumer)
+                           checkpoint_every_ticks=checkpoint_every_ticks, app_id=app_id)
 
     @app.agent(events, name="kvguard-streams-events")
     async def process_events(stream):

@@ -327,12 +327,15 @@ def plot_lead_times(result: EvaluationResult, path: str, title: str = "") -> Non
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     rng = np.random.default_rng(0)
     medians = result.lead_time_median_s()
+    isolated = np.asarray(result.isolated, dtype=bool)
     for i, tier in enumerate(tiers):
         values = np.asarray(result.lead_times_s[tier], dtype=float) / 60.0
         if values.size:
-            jitter = rng.uniform(-0.15, 0.15, values.size)
-            ax.scatter(np.full(values.size, i) + jitter, values, s=14, alpha=0.6,
-                       color=colours.get(tier, "tab:grey"))
+            x = np.full(values.size, i) + rng.uniform(-0.15, 0.15, values.size)
+            colour = colours.get(tier, "tab:grey")
+            ax.scatter(x[~isolated], values[~isolated], s=14, alpha=0.6, color=colour)
+            ax.scatter(x[isolated], values[isolated], s=40, marker="D", facecolor="none", edgecolor=colour,
+                       label="isolated OOM (no crash in the 10 min before)" if i == 0 else None)
             ax.hlines(medians[tier] / 60.0, i - 0.3, i + 0.3, color="black", lw=2)
             ax.annotate(f"median {medians[tier] / 60.0:.1f} min", (i, medians[tier] / 60.0),
                         xytext=(0, 6), textcoords="offset points", ha="center", fontsize=9)
