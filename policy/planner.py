@@ -24,9 +24,9 @@ Compaction instead of eviction
 ------------------------------
 Free space can be plentiful and still useless: an engine step needs its workspace buffer as one
 contiguous run, and with several page sizes a large-class page needs an aligned contiguous run
-too. When the largest free run is below ``required_run_units`` but the free space in total is
-above it, or F_ext is over the strategy's fragmentation threshold while Ψ without the
-fragmentation term would be under target, the plan compacts (migrates pages to coalesce runs):
+too. When the largest free run is below ``required_run_units`` (one full step's workspace and a
+largest-class page, plus a margin) but the free space in total is above it, or F_ext is over
+the strategy's fragmentation threshold, the plan compacts (migrates pages to coalesce runs):
 a migration costs one device-to-device copy of the page (HBM bandwidth, microseconds per page)
 and loses no request any work, while an eviction costs the victim a re-prefill or a round trip
 over the host link. Eviction is planned only for what compaction cannot cure.

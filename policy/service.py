@@ -33,7 +33,7 @@ MODE_ALERT = "KVGuardPolicyEmergency"
 
 @dataclass(slots=True)
 class Outgoing:
-    """Records one tick produced: (topic kind, key, JSON-able dict or bytes)."""
+    """What one tick produced: the decision, the commands to publish, the alert records."""
 
     decision: Decision
     commands: list[Command] = field(default_factory=list)

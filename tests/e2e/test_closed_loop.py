@@ -105,7 +105,9 @@ def test_policy_over_kafka_executes_commands_and_prevents_ooms(kafka_settings, r
                       "guarded": {k: guarded[k] for k in ("ooms", "preemptions", "completed", "failed")},
                       "actuators": acts, "policy": policy_counters.get("engine"),
                       "decision_lag_wall_s": guarded.get("decision_lag_wall_s")}))
-    assert policy_counters.get("ticks", 0) > 0, (tmp_path / "policy.log").read_text()[-3000:]
+    assert policy_counters.get("ticks", 0) > 0, "no ticks reached the policy; worker log:\n" + "\n".join(
+        line for line in (tmp_path / "worker.log").read_text(errors="replace").splitlines()
+        if "ERROR" in line or "Error" in line)[-3000:]
     assert acts["executed"] > 0, acts
     assert acts["rejected_signature"] == 0 and acts["malformed"] == 0, acts
     assert baseline["ooms"] >= 10, baseline

@@ -110,7 +110,7 @@ async def test_bad_records_go_to_the_dlq_and_the_worker_lives_on(kafka_settings,
         worker.stop()
 
 
-async def test_a_seq_gap_is_read_again_once_then_marks_the_node_unsynced(kafka_settings, log_batches, tmp_path):
+async def test_a_seq_gap_is_read_back_once_then_marks_the_node_unsynced(kafka_settings, log_batches, tmp_path):
     lost = next(i for i, b in enumerate(log_batches) if b.node == "sim-0/gpu0" and b.seq == 8)
     gapped = log_batches[:lost] + log_batches[lost + 1:]
     expected, _ = expected_records(gapped)
@@ -124,7 +124,7 @@ async def test_a_seq_gap_is_read_again_once_then_marks_the_node_unsynced(kafka_s
             await out.settle()
         assert tick_map(out.of("metrics"))[0] == expected
         log_text = worker.log_text()
-        assert log_text.count("node sim-0/gpu0: seq gap after 7; re-reading") == 1
+        assert log_text.count("node sim-0/gpu0: seq gap before seq 9; read 0 missing batches back") == 1
         assert "seq gap 7 -> 9" in log_text
     finally:
         worker.stop()

@@ -145,3 +145,18 @@ def test_first_crash_weights_mark_only_the_horizon_before_isolated_ooms():
     heavy_s = (ts[w == 3.0] // NS_PER_S).tolist()
     assert heavy_s == list(range(200, 500, 10)) + list(range(1200, 1500, 10))
     assert first_crash_weights(ts, ooms, 300.0, 1.0).tolist() == [1.0] * 200
+
+
+def test_run_spec_file_is_read_and_a_bad_one_is_named(tmp_path):
+    from kvguard.cli.dataset import resolve_specs
+
+    good = tmp_path / "runs.json"
+    good.write_text(json.dumps([{"workload": "mixed", "rate_scale": 0.3, "split": "val"}]))
+    specs = resolve_specs(None, good)
+    assert specs[0].workload == "mixed" and specs[0].split == "val" and specs[0].duration_s == 3600.0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"workload": "mixed", "speed": 2}]))
+    with pytest.raises(DatasetError, match="bad.json: expected a JSON list of run specs"):
+        resolve_specs(None, bad)
+    with pytest.raises(DatasetError, match="--preset 'huge'"):
+        resolve_specs("huge", None)

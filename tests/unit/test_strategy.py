@@ -75,3 +75,21 @@ def test_bad_value_fails_naming_the_field(values, field):
 def test_strategy_value_is_validated_on_construction():
     with pytest.raises(StrategyError, match="target_psi"):
         Strategy(target_psi=-0.1)
+
+
+def test_settings_file_and_environment_reach_the_policy_engine_config(tmp_path):
+    from kvguard.bootstrap import engine_config_from
+    from kvguard.settings import Settings
+    from producers.profiles import load_profile
+
+    path = tmp_path / "kvguard.toml"
+    path.write_text('[policy.default]\nselection = "priority"\nthreshold = 0.8\n')
+    settings = Settings.load(path, env={"KVGUARD_POLICY__EMERGENCY": '{"handling": "swap"}'})
+    config = engine_config_from(settings, load_profile(), {})
+    assert config.default.selection is Selection.PRIORITY and config.default.threshold == 0.8
+    assert config.default.granularity is Granularity.BLOCK, "unnamed fields keep the preset's"
+    assert config.emergency.handling is HandlingChoice.SWAP and config.emergency.trigger is Trigger.HARD
+    bad = Settings.load(env={"KVGUARD_POLICY__DEFAULT": '{"trigger": "loud"}'})
+    with pytest.raises(StrategyError) as info:
+        engine_config_from(bad, load_profile(), {})
+    assert info.value.field == "policy.default.trigger"
