@@ -44,7 +44,13 @@ class Graph:
     def stream_config(self, **overrides: Any):
         from streams.core import StreamConfig
 
-        return StreamConfig.from_settings(self.settings.streams, self.settings.predictor, **overrides)
+        section = self.settings.predictor
+        config = StreamConfig.from_settings(self.settings.streams, section, **overrides)
+        if "threshold" not in section.model_fields_set and self.predictor is not None:
+            from streams.lstm import with_model_threshold
+
+            config = with_model_threshold(config, self.predictor)
+        return config
 
     def stream_core(self, *, with_predictor: bool = True):
         from streams.core import StreamCore

@@ -161,6 +161,8 @@ class StreamsSettings(_Section):
 
 class PredictorSettings(_Section):
     model_path: str | None = None
+    # used only when set explicitly (file/env); otherwise tier 3 fires at the model's own
+    # calibrated threshold, from its metadata
     threshold: float = Field(0.5, ge=0, le=1)
     window_s: float = Field(1800.0, gt=0)
     horizon_s: float = Field(300.0, gt=0)
