@@ -62,7 +62,6 @@ class Executor:
             Action.RECLAIM: self._reclaim,
             Action.HEADROOM: self._headroom,
         }
-        self._base_watermark_units = int(getattr(engine, "watermark_units", 0))
 
     def execute(self, command: Command, now_ns: int) -> ExecutionResult:
         return self._actions[command.action](command, now_ns)
@@ -128,14 +127,7 @@ class Executor:
         return _result(freed, 0, 1 if freed else 0, 0 if freed else 1, [])
 
     def _headroom(self, command: Command, now_ns: int) -> ExecutionResult:
-        units = max(0, int(command.units_needed))
-        setter = getattr(self.engine, "set_admission_headroom", None)
-        if setter is not None:
-            setter(units)
-        else:
-            # the engine's admission checks read ``watermark_units``; kvguard's hold adds to the
-            # engine's own watermark and a release (0) restores it exactly
-            self.engine.watermark_units = self._base_watermark_units + units
+        self.engine.set_admission_headroom(max(0, int(command.units_needed)))
         return _result(0, 0, 1, 0, [])
 
     # -- page choice -------------------------------------------------------------------------

@@ -139,7 +139,10 @@ class Engine:
         geometry = profile.geometry
         self.unit_tokens = geometry.unit_tokens
         self.dynamic_units = geometry.dynamic_units
-        self.watermark_units = int(self.config.watermark_frac * geometry.dynamic_units)
+        self.base_watermark_units = int(self.config.watermark_frac * geometry.dynamic_units)
+        # admission keeps watermark_units free: the engine's own watermark plus any headroom an
+        # actuator holds back (set_admission_headroom)
+        self.watermark_units = self.base_watermark_units
         self.ws_reserve_units = profile.workspace_units(profile.max_batched_tokens)
         self.max_prompt = self.config.max_prompt_tokens or profile.max_model_len
         self.small_page_tokens = geometry.page_classes[0] * geometry.unit_tokens
@@ -634,6 +637,13 @@ class Engine:
         else:
             s.kv_tokens = sum(p.tokens for p in pages)
             s.room = -s.kv_tokens % self.small_page_tokens
+
+    def set_admission_headroom(self, units: int) -> None:
+        """Hold ``units`` back from admission on top of the engine's own watermark (0 releases
+        the hold). Running requests keep growing; only new admissions and swap-ins see it."""
+        if units < 0:
+            raise ValueError(f"admission headroom must be >= 0 units, got {units}")
+        self.watermark_units = self.base_watermark_units + int(units)
 
     def compact(self, now_ns: int, max_moves: int) -> int:
         """Move up to ``max_moves`` pages to coalesce free runs; returns the units moved."""

@@ -234,3 +234,19 @@ def test_bad_profiles_name_the_field():
         tiny_profile(page_class_tokens=(4, 24))
     with pytest.raises(ProfileError, match="'name'"):
         load_profile("no-such-gpu")
+
+
+def test_admission_headroom_adds_to_the_watermark_and_releases_exactly():
+    from producers.engine import Engine
+    from producers.pool import PagedPool
+    from producers.profiles import load_profile
+
+    profile = load_profile()
+    engine = Engine(PagedPool(profile.geometry, node="n0", swap_capacity_units=0), profile, node="n0", seed=0)
+    base = engine.watermark_units
+    engine.set_admission_headroom(500)
+    assert engine.watermark_units == base + 500
+    engine.set_admission_headroom(0)
+    assert engine.watermark_units == base
+    with pytest.raises(ValueError, match="headroom"):
+        engine.set_admission_headroom(-1)
