@@ -18,7 +18,7 @@ from producers.pool import (CheckpointMissing, PagedPool, PageState, PoolExhaust
                             UnknownRequest)
 from tests.unit.pool_replay import ReplayMirror
 
-settings.register_profile("ci", max_examples=25, stateful_step_count=40, deadline=None,
+settings.register_profile("ci", max_examples=60, stateful_step_count=50, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", max_examples=400, stateful_step_count=80, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
