@@ -252,8 +252,10 @@ class BudgetAlert:
 @dataclass(slots=True, frozen=True)
 class DebitResult:
     """What a debit did. ``counted`` is False for a duplicate or a non-burning tick;
-    ``buffered`` is True when the store was unreachable and the debit waits in memory
-    (then ``used_s`` is a local estimate)."""
+    ``buffered`` is True when the store was unreachable (or refused the write for a while,
+    e.g. a replica during failover) and the debit waits in memory (then ``used_s`` is a local
+    estimate); ``failed`` is True when the store refused the debit for good (a script or
+    key-type error): it was logged and counted in ``LedgerStats.errors``, and is lost."""
 
     node: str
     week: str
@@ -262,6 +264,7 @@ class DebitResult:
     remaining_s: float
     exhausted: bool
     buffered: bool = False
+    failed: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -382,16 +385,19 @@ class _NodeWeek:
     alerted_ts_ns: int | None = None
 
 
-class MemoryBudgetLedger:
-    """The embedded ledger: same semantics as the Redis one, in a dict of
-    week → node → totals. Weeks older than the retention (counted back from the newest week
-    seen) are dropped when a new week first appears, so memory stays bounded."""
+class LedgerFront:
+    """What both ledgers share: the debit entry points (threshold check, counters), the
+    result built from the backend's view of a node's week, and the alert queue, which passes
+    each (node, week) once per ledger object however often the backend reports the claim (a
+    replayed debit whose first reply was lost reports it again)."""
 
-    def __init__(self, config: BudgetConfig | None = None) -> None:
+    _ALERTED_MAX = 100_000
+
+    def __init__(self, config: BudgetConfig | None, stats: LedgerStats) -> None:
         self.config = config or BudgetConfig()
-        self._weeks: dict[str, dict[str, _NodeWeek]] = {}
+        self._stats = stats
         self._alerts: list[BudgetAlert] = []
-        self._stats = LedgerStats(backend="memory")
+        self._alerted: set[tuple[str, str]] = set()
 
     def debit(self, node: str, ts_ns: int, tick_s: float, f_ext: float,
               cluster: str | None = None) -> DebitResult:
@@ -408,6 +414,46 @@ class MemoryBudgetLedger:
         return self.debit(node, ts_ns, seconds, f_ext, cluster)
 
     def apply(self, debit: Debit) -> DebitResult:
+        raise NotImplementedError
+
+    def take_alerts(self) -> list[BudgetAlert]:
+        alerts, self._alerts = self._alerts, []
+        return alerts
+
+    def _emit(self, alert: BudgetAlert) -> bool:
+        """Queue an alert unless this (node, week) already had one; True when queued."""
+        key = (alert.node, alert.week)
+        if key in self._alerted:
+            return False
+        if len(self._alerted) >= self._ALERTED_MAX:
+            self._alerted.clear()  # bounded; a repeat past this is deduped by its fingerprint
+        self._alerted.add(key)
+        self._alerts.append(alert)
+        self._stats.alerts += 1
+        return True
+
+    def _used_ms(self, node: str, week: str) -> int:
+        raise NotImplementedError
+
+    def _result(self, node: str, week: str, *, counted: bool, buffered: bool = False,
+                failed: bool = False) -> DebitResult:
+        used_s = self._used_ms(node, week) / 1000
+        return DebitResult(node=node, week=week, counted=counted, used_s=used_s,
+                           remaining_s=max(0.0, self.config.budget_s - used_s),
+                           exhausted=used_s >= self.config.budget_s, buffered=buffered,
+                           failed=failed)
+
+
+class MemoryBudgetLedger(LedgerFront):
+    """The embedded ledger: same semantics as the Redis one, in a dict of
+    week → node → totals. Weeks older than the retention (counted back from the newest week
+    seen) are dropped when a new week first appears, so memory stays bounded."""
+
+    def __init__(self, config: BudgetConfig | None = None) -> None:
+        super().__init__(config, LedgerStats(backend="memory"))
+        self._weeks: dict[str, dict[str, _NodeWeek]] = {}
+
+    def apply(self, debit: Debit) -> DebitResult:
         """Record a computed debit (idempotent per node and ts_ns)."""
         entry = self._node_week(debit)
         if debit.ts_ns in entry.seen_ts:
@@ -419,11 +465,10 @@ class MemoryBudgetLedger:
         self._stats.counted += 1
         if entry.used_ms >= self.config.budget_ms and entry.alerted_ts_ns is None:
             entry.alerted_ts_ns = debit.ts_ns
-            self._alerts.append(BudgetAlert(
+            self._emit(BudgetAlert(
                 node=debit.node, cluster=entry.cluster, week=debit.week, ts_ns=debit.ts_ns,
                 used_s=entry.used_ms / 1000, budget_s=self.config.budget_s,
                 top_intervals=_top(entry.burn_ms, self.config.top_intervals)))
-            self._stats.alerts += 1
         return self._result(debit.node, debit.week, counted=True)
 
     def remaining(self, node: str, week: str) -> float:
@@ -448,10 +493,6 @@ class MemoryBudgetLedger:
     def weeks(self) -> list[str]:
         return sorted(self._weeks)
 
-    def take_alerts(self) -> list[BudgetAlert]:
-        alerts, self._alerts = self._alerts, []
-        return alerts
-
     def stats(self) -> LedgerStats:
         return LedgerStats(**self._stats.to_dict())
 
@@ -473,12 +514,9 @@ class MemoryBudgetLedger:
         for week in [w for w in self._weeks if w < oldest_kept and w != newest]:
             del self._weeks[week]
 
-    def _result(self, node: str, week: str, *, counted: bool) -> DebitResult:
+    def _used_ms(self, node: str, week: str) -> int:
         entry = self._weeks.get(week, {}).get(node)
-        used_s = entry.used_ms / 1000 if entry else 0.0
-        return DebitResult(node=node, week=week, counted=counted, used_s=used_s,
-                           remaining_s=max(0.0, self.config.budget_s - used_s),
-                           exhausted=used_s >= self.config.budget_s)
+        return entry.used_ms if entry else 0
 
 
 def _top(burn_ms: dict[int, int], k: int) -> tuple[BurnInterval, ...]:
@@ -512,6 +550,14 @@ class OutageBuffer:
 
     def peek(self, n: int) -> list[Any]:
         return [self._items[i] for i in range(min(n, len(self._items)))]
+
+    def push_front(self, items: list[Any]) -> None:
+        """Put items taken out by ``commit`` back at the head, in their order (a replay that
+        the store refused for a while). Past ``max_items`` the oldest are dropped."""
+        self._items.extendleft(reversed(items))
+        while len(self._items) > self.max_items:
+            self._items.popleft()
+            self.dropped += 1
 
     def commit(self, n: int) -> None:
         for _ in range(min(n, len(self._items))):

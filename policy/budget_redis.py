@@ -9,7 +9,8 @@ share one cluster slot and one script may touch them all):
     P budget:{W}:clusters       hash   cluster → milliseconds burned
     P budget:{W}:node_cluster   hash   node → cluster
     P budget:{W}:burn:<node>    zset   burn bucket start (s) → milliseconds burned in it
-    P budget:{W}:alerted        hash   node → ts_ns of the tick that exhausted it (the claim)
+    P budget:{W}:alerted        hash   node → "<ts_ns>|<ledger id>": the tick that exhausted it
+                                       and the ledger object that sent it (the claim)
 
 Every key's TTL is reset on each counted debit to the retention (weeks + the week itself), so
 a week disappears ``retention_weeks`` after its last write.
@@ -17,7 +18,14 @@ a week disappears ``retention_weeks`` after its last write.
 When Redis is unreachable, ``ResilientRedis`` (shared with the SLO ledger) buffers the script
 calls in a bounded ``OutageBuffer`` and replays them, oldest first, when Redis answers again;
 the scripts are idempotent, so a call that did reach Redis before the failure is not counted
-twice. The caller never sees an exception from a write.
+twice. A call that ran but whose reply was lost comes back as a duplicate; the debit script then
+still reports the exhaustion claim when that very debit, from this very ledger object, made it,
+so the alert is not lost; the same tick redelivered to another process does not alert again. A
+Redis that answers but refuses a write for a while (a replica during failover: READONLY; OOM;
+TRYAGAIN; CLUSTERDOWN/MASTERDOWN; BUSY running a script) is treated like an outage: the call is
+buffered and retried. Any other refusal (a script or key-type error) cannot be cured by
+retrying: it is logged, counted in ``errors`` and reported as failed. The caller never sees an
+exception from a write.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -34,31 +43,35 @@ from policy.budget import (
     BurnInterval,
     Debit,
     DebitResult,
+    LedgerFront,
     LedgerStats,
     LedgerUnavailable,
     NodeBudget,
     OutageBuffer,
     OutageTracker,
     WeekStatus,
-    compute_debit,
     parse_week,
-    tick_values,
-    tick_week,
 )
 
 log = logging.getLogger("kvguard.budget")
 
-_DEBIT_LUA = """
+DEBIT_LUA = """
 local node, ts, ms, cluster = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local claim = ts .. '|' .. ARGV[9]
 if redis.call('SADD', KEYS[1], ts) == 0 then
-  return {0, tonumber(redis.call('HGET', KEYS[2], node) or '0'), 0, {}}
+  local used = tonumber(redis.call('HGET', KEYS[2], node) or '0')
+  if redis.call('HGET', KEYS[6], node) == claim then
+    -- this very debit made the claim; its reply may have been lost, so report the claim again
+    return {0, used, 1, redis.call('ZREVRANGE', KEYS[5], 0, tonumber(ARGV[8]) - 1, 'WITHSCORES')}
+  end
+  return {0, used, 0, {}}
 end
 local used = redis.call('HINCRBY', KEYS[2], node, ms)
 redis.call('HINCRBY', KEYS[3], cluster, ms)
 redis.call('HSET', KEYS[4], node, cluster)
 redis.call('ZINCRBY', KEYS[5], ms, ARGV[5])
 local claimed, top = 0, {}
-if used >= tonumber(ARGV[6]) and redis.call('HSETNX', KEYS[6], node, ts) == 1 then
+if used >= tonumber(ARGV[6]) and redis.call('HSETNX', KEYS[6], node, claim) == 1 then
   claimed = 1
   top = redis.call('ZREVRANGE', KEYS[5], 0, tonumber(ARGV[8]) - 1, 'WITHSCORES')
 end
@@ -71,6 +84,39 @@ def _connection_errors() -> tuple[type[BaseException], ...]:
     import redis.exceptions as rex
 
     return (rex.ConnectionError, rex.TimeoutError, OSError)
+
+
+def is_transient_refusal(exc: BaseException) -> bool:
+    """True for replies with which Redis refuses a write for a while and accepts it later:
+    READONLY (a replica, e.g. mid-failover), OOM (maxmemory reached until keys expire or
+    memory is raised), TRYAGAIN, CLUSTERDOWN/MASTERDOWN, BUSY (another script running)."""
+    import redis.exceptions as rex
+
+    if isinstance(exc, (rex.ReadOnlyError, rex.OutOfMemoryError, rex.TryAgainError,
+                        rex.ClusterDownError)):
+        return True
+    return isinstance(exc, rex.ResponseError) and str(exc).startswith(("BUSY ", "OOM ", "READONLY "))
+
+
+DONE, BUFFERED, FAILED = "done", "buffered", "failed"
+
+
+@dataclass(slots=True, frozen=True)
+class CallOutcome:
+    """What ``ResilientRedis.call`` did: DONE with the script's ``value``, BUFFERED (Redis
+    unreachable or refusing writes for now; replayed later) or FAILED (refused for good,
+    logged and counted; dropped)."""
+
+    status: str
+    value: Any = None
+
+
+class _ReplayRefused(Exception):
+    """A replay that Redis refused for now; the refused calls are back in the buffer."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 def mask_url(url: str) -> str:
@@ -167,30 +213,32 @@ class ResilientRedis:
         stay off the network."""
         return not self.tracker.down or self._clock() - self._last_failure >= self._retry_interval_s
 
-    def call(self, call: ScriptCall) -> Any:
-        """Run a script; returns its result, or None when it was buffered (or failed on a
-        Redis error that retrying cannot cure, which is logged and counted)."""
+    def call(self, call: ScriptCall) -> CallOutcome:
+        """Run a script (after replaying the buffer). Never raises for Redis trouble: see
+        ``CallOutcome`` for what can happen instead."""
         import redis.exceptions as rex
 
         if not self.retry_due:
             self.buffer.append(call)
-            return None
+            return CallOutcome(BUFFERED)
         try:
             client = self.client
             self._replay()
             result = self._scripts[call.script](keys=call.keys, args=call.args, client=client)
         except self._errors as exc:
-            self._failed(exc)
-            self.buffer.append(call)
-            return None
+            return self._buffer(call, exc)
+        except _ReplayRefused as exc:
+            return self._buffer(call, exc.cause)
         except rex.RedisError as exc:
             self.errors += 1
-            log.error("%s: Redis refused %s on %s: %s", self.label, call.script,
-                      call.keys[0] if call.keys else "-", exc)
-            return None
+            if is_transient_refusal(exc):
+                return self._buffer(call, exc)
+            log.error("%s: Redis refused %s on %s for good, dropped: %s: %s", self.label,
+                      call.script, call.keys[0] if call.keys else "-", type(exc).__name__, exc)
+            return CallOutcome(FAILED)
         self._recovered()
         self._on_result(call, result)
-        return result
+        return CallOutcome(DONE, result)
 
     def flush(self) -> bool:
         """Replay the buffer now, whatever the retry interval; True when it is empty."""
@@ -199,8 +247,22 @@ class ResilientRedis:
         except self._errors as exc:
             self._failed(exc)
             return False
+        except _ReplayRefused as exc:
+            self._failed(exc.cause)
+            return False
         self._recovered()
         return True
+
+    def stats(self, counters: LedgerStats) -> LedgerStats:
+        """A copy of the ledger's own counters with this store's outage figures filled in."""
+        stats = LedgerStats(**counters.to_dict())
+        stats.outage = self.tracker.down
+        stats.outages = self.tracker.outages
+        stats.buffered = len(self.buffer)
+        stats.dropped = self.buffer.dropped
+        stats.replayed = self.replayed
+        stats.errors = self.errors
+        return stats
 
     def read(self, fn: Callable[[Any], Any]) -> Any:
         """Run a read; raises LedgerUnavailable naming the (masked) URL when Redis is down."""
@@ -224,20 +286,36 @@ class ResilientRedis:
                 self._scripts[call.script](keys=call.keys, args=call.args, client=pipe)
             results = pipe.execute(raise_on_error=False)
             self.buffer.commit(len(chunk))
+            refused: list[ScriptCall] = []
+            cause: BaseException | None = None
             for call, result in zip(chunk, results):
                 if isinstance(result, Exception):
                     self.errors += 1
-                    log.error("%s: replayed %s failed: %s", self.label, call.script, result)
+                    if is_transient_refusal(result):
+                        refused.append(call)
+                        cause = cause or result
+                    else:
+                        log.error("%s: replayed %s refused for good, dropped: %s: %s",
+                                  self.label, call.script, type(result).__name__, result)
                     continue
                 self.replayed += 1
                 self._on_result(call, result)
+            if cause is not None:
+                self.buffer.push_front(refused)
+                raise _ReplayRefused(cause)
+
+    def _buffer(self, call: ScriptCall, exc: BaseException) -> CallOutcome:
+        self._failed(exc)
+        self.buffer.append(call)
+        return CallOutcome(BUFFERED)
 
     def _failed(self, exc: BaseException) -> None:
         self._last_failure = self._clock()
         if self.tracker.failed():
-            log.warning("%s: Redis at %s unreachable (%s: %s); buffering writes in memory "
+            state = "refusing writes" if is_transient_refusal(exc) else "unreachable"
+            log.warning("%s: Redis at %s %s (%s: %s); buffering writes in memory "
                         "(at most %d, oldest dropped past that)", self.label, mask_url(self.url),
-                        type(exc).__name__, exc, self.buffer.max_items)
+                        state, type(exc).__name__, exc, self.buffer.max_items)
 
     def _recovered(self) -> None:
         if self.tracker.succeeded():
@@ -253,42 +331,38 @@ def budget_keys(prefix: str, week: str, node: str) -> tuple[str, ...]:
             f"{base}:node_cluster", f"{base}:burn:{node}", f"{base}:alerted")
 
 
-class RedisBudgetLedger:
+class RedisBudgetLedger(LedgerFront):
     """The budget ledger in Redis (see the module docstring for the keys).
     ``remaining`` reads Redis (one HGET) and falls back to the last value this process saw
     plus its buffered debits while Redis is down."""
 
     def __init__(self, url: str, config: BudgetConfig | None = None, **redis_options: Any) -> None:
-        self.config = config or BudgetConfig()
-        self.store = ResilientRedis(url, {"debit": _DEBIT_LUA}, label="budget ledger",
-                                    buffer_max=self.config.buffer_max,
+        config = config or BudgetConfig()
+        super().__init__(config, LedgerStats(backend="redis", buffer_max=config.buffer_max))
+        self.store = ResilientRedis(url, {"debit": DEBIT_LUA}, label="budget ledger",
+                                    buffer_max=config.buffer_max,
                                     on_result=self._on_result, **redis_options)
-        self._alerts: list[BudgetAlert] = []
         self._known_ms: dict[tuple[str, str], int] = {}
-        self._stats = LedgerStats(backend="redis", buffer_max=self.config.buffer_max)
+        self.ledger_id = uuid.uuid4().hex[:16]  # marks this object's exhaustion claims
 
-    def debit(self, node: str, ts_ns: int, tick_s: float, f_ext: float,
-              cluster: str | None = None) -> DebitResult:
-        self._stats.debits += 1
-        debit = compute_debit(self.config, node, ts_ns, tick_s, f_ext, cluster)
-        if debit is None:
-            self._stats.below_threshold += 1
-            return self._result(node, tick_week(ts_ns), counted=False)
-        call = ScriptCall("debit", budget_keys(self.config.key_prefix, debit.week, node),
-                          (node, debit.ts_ns, debit.ms, debit.cluster, debit.interval_start_s,
-                           self.config.budget_ms, self.config.retention_s,
-                           self.config.top_intervals), debit)
-        result = self.store.call(call)
-        if result is None:
-            key = (node, debit.week)
+    def apply(self, debit: Debit) -> DebitResult:
+        """Record a computed debit (idempotent per node and ts_ns)."""
+        outcome = self.store.call(self.script_call(debit))
+        if outcome.status == BUFFERED:
+            key = (debit.node, debit.week)
             self._known_ms[key] = self._known_ms.get(key, 0) + debit.ms
-            return self._result(node, debit.week, counted=False, buffered=True)
-        return self._result(node, debit.week, counted=bool(result[0]))
+            return self._result(debit.node, debit.week, counted=False, buffered=True)
+        if outcome.status == FAILED:
+            return self._result(debit.node, debit.week, counted=False, failed=True)
+        return self._result(debit.node, debit.week, counted=bool(outcome.value[0]))
 
-    def debit_tick(self, tick: Any, tick_s: float | None = None,
-                   cluster: str | None = None) -> DebitResult:
-        node, ts_ns, seconds, f_ext = tick_values(tick, tick_s)
-        return self.debit(node, ts_ns, seconds, f_ext, cluster)
+    def script_call(self, debit: Debit) -> ScriptCall:
+        """The debit script invocation this ledger sends for ``debit``."""
+        return ScriptCall("debit", budget_keys(self.config.key_prefix, debit.week, debit.node),
+                          (debit.node, debit.ts_ns, debit.ms, debit.cluster,
+                           debit.interval_start_s, self.config.budget_ms,
+                           self.config.retention_s, self.config.top_intervals,
+                           self.ledger_id), debit)
 
     def flush(self) -> bool:
         """Replay buffered debits now; True when none are left."""
@@ -339,19 +413,8 @@ class RedisBudgetLedger:
         weeks = {key[key.index("{") + 1: key.index("}")] for key in found}
         return sorted(weeks)
 
-    def take_alerts(self) -> list[BudgetAlert]:
-        alerts, self._alerts = self._alerts, []
-        return alerts
-
     def stats(self) -> LedgerStats:
-        stats = LedgerStats(**self._stats.to_dict())
-        stats.outage = self.store.tracker.down
-        stats.outages = self.store.tracker.outages
-        stats.buffered = len(self.store.buffer)
-        stats.dropped = self.store.buffer.dropped
-        stats.replayed = self.store.replayed
-        stats.errors = self.store.errors
-        return stats
+        return self.store.stats(self._stats)
 
     def close(self) -> None:
         self.store.close()
@@ -366,9 +429,8 @@ class RedisBudgetLedger:
         if not len(self.store.buffer):
             self._remember(debit.node, debit.week, used_ms)
         if claimed:
-            self._stats.alerts += 1
             pairs = list(zip(top[::2], top[1::2]))
-            self._alerts.append(BudgetAlert(
+            self._emit(BudgetAlert(
                 node=debit.node, cluster=debit.cluster, week=debit.week, ts_ns=debit.ts_ns,
                 used_s=used_ms / 1000, budget_s=self.config.budget_s,
                 top_intervals=_intervals(pairs)))
@@ -378,11 +440,8 @@ class RedisBudgetLedger:
             self._known_ms.clear()
         self._known_ms[(node, week)] = used_ms
 
-    def _result(self, node: str, week: str, *, counted: bool, buffered: bool = False) -> DebitResult:
-        used_s = self._known_ms.get((node, week), 0) / 1000
-        return DebitResult(node=node, week=week, counted=counted, used_s=used_s,
-                           remaining_s=max(0.0, self.config.budget_s - used_s),
-                           exhausted=used_s >= self.config.budget_s, buffered=buffered)
+    def _used_ms(self, node: str, week: str) -> int:
+        return self._known_ms.get((node, week), 0)
 
 
 def _intervals(pairs: Any) -> tuple[BurnInterval, ...]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from policy.budget import LedgerStats, iso_week, parse_week
-from policy.budget_redis import ResilientRedis, ScriptCall
+from policy.budget_redis import DONE, ResilientRedis, ScriptCall
 from policy.slo import (
     COMPLETED,
     FAILED,
@@ -83,8 +83,8 @@ def _ts(ts_ns: int) -> str:
 
 
 class RedisSloLedger:
-    """Record methods return True when counted, False for a duplicate or when buffered
-    (``stats().buffered`` tells which)."""
+    """Record methods return True when counted, False for a duplicate, when buffered or when
+    Redis refused the record for good (``stats()`` ``buffered`` and ``errors`` tell which)."""
 
     def __init__(self, url: str, config: SloConfig | None = None, **redis_options: Any) -> None:
         self.config = config or SloConfig()
@@ -159,14 +159,7 @@ class RedisSloLedger:
         return sorted({key[key.index("{") + 1: key.index("}")] for key in found})
 
     def stats(self) -> LedgerStats:
-        stats = LedgerStats(**self._stats.to_dict())
-        stats.outage = self.store.tracker.down
-        stats.outages = self.store.tracker.outages
-        stats.buffered = len(self.store.buffer)
-        stats.dropped = self.store.buffer.dropped
-        stats.replayed = self.store.replayed
-        stats.errors = self.store.errors
-        return stats
+        return self.store.stats(self._stats)
 
     def close(self) -> None:
         self.store.close()
@@ -176,7 +169,8 @@ class RedisSloLedger:
 
     def _call(self, script: str, keys: tuple[str, ...], args: tuple[Any, ...]) -> bool:
         self._stats.debits += 1
-        return bool(self.store.call(ScriptCall(script, keys, args, None)))
+        outcome = self.store.call(ScriptCall(script, keys, args, None))
+        return outcome.status == DONE and bool(outcome.value)
 
     def _on_result(self, call: ScriptCall, result: Any) -> None:
         if int(result):

@@ -19,8 +19,10 @@ app.add_typer(slo_app, name="slo")
 _NODE = typer.Option(None, "--node", help="Only this node id.")
 _WEEK = typer.Option(None, "--week", help="ISO week such as 2026-W48 (UTC); default: the latest "
                                           "week with data, else the current week.")
-_REDIS = typer.Option(None, "--redis", help="redis://[:password@]host:port/db or rediss:// (TLS); "
-                                            "default: settings redis.url (KVGUARD_REDIS__URL).")
+_REDIS = typer.Option(None, "--redis",
+                      help="redis://[:password@]host:port/db or rediss:// (TLS); default: redis.url "
+                           "when set explicitly (KVGUARD_REDIS__URL or the [redis] table of "
+                           "$KVGUARD_CONFIG). The built-in default is never used.")
 _JSON = typer.Option(False, "--json", help="Print one JSON object for machines.")
 
 
@@ -35,11 +37,19 @@ def _load_settings() -> Any:
 
 
 def _connection(redis_url: Optional[str], settings: Any) -> tuple[str, dict[str, Any]]:
-    """--redis as given, else the settings' redis section (url + password + tls + CA file)."""
+    """--redis as given, else the settings' redis section (url + password + tls + CA file),
+    but only when redis.url was set in the file or the environment: the built-in default,
+    127.0.0.1:6379, is often a shared server that holds someone else's ledger."""
     from policy.budget_redis import url_from_settings
 
     url, options = url_from_settings(settings.redis)
-    return (redis_url, options) if redis_url else (url, options)
+    if redis_url:
+        return redis_url, options
+    if "url" not in settings.redis.model_fields_set:
+        _fail("no Redis to read: pass --redis URL or set redis.url (KVGUARD_REDIS__URL, or "
+              "url in the [redis] table of $KVGUARD_CONFIG); the default "
+              f"{settings.redis.url} is not used here", code=2)
+    return url, options
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -47,19 +57,35 @@ def _fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
-def _pick_week(week: Optional[str], known: list[str]) -> str:
-    from policy.budget import WeekFormatError, iso_week, parse_week
+def _check_week(week: Optional[str]) -> Optional[str]:
+    """The --week label, checked before anything connects; None when not given."""
+    from policy.budget import WeekFormatError, parse_week
+
+    if not week:
+        return None
+    try:
+        parse_week(week)
+    except WeekFormatError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--week") from None
+    return week.strip()
+
+
+def _pick_week(week: Optional[str], ledger: Any) -> tuple[str, str]:
+    """(week, why): --week as given ("given"), else the latest week the ledger holds data for
+    ("latest"), else the current UTC week ("current", with no data anywhere)."""
+    from policy.budget import iso_week
 
     if week:
-        try:
-            parse_week(week)
-        except WeekFormatError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--week") from None
-        return week.strip()
+        return week, "given"
+    known = ledger.weeks()
     if known:
-        return known[-1]
+        return known[-1], "latest"
     now = _dt.datetime.now(_dt.timezone.utc)
-    return iso_week(int(now.timestamp()) * 1_000_000_000)
+    return iso_week(int(now.timestamp()) * 1_000_000_000), "current"
+
+
+_WEEK_NOTES = {"given": "", "latest": " (latest week with data)",
+               "current": " (current week; no week has data)"}
 
 
 @budget_app.command("status")
@@ -69,6 +95,7 @@ def budget_status(node: Optional[str] = _NODE, week: Optional[str] = _WEEK,
     from policy.budget import BudgetConfig, BudgetConfigError, LedgerUnavailable
     from policy.budget_redis import RedisBudgetLedger
 
+    week = _check_week(week)
     settings = _load_settings()
     try:
         config = BudgetConfig.from_settings(settings)
@@ -77,22 +104,24 @@ def budget_status(node: Optional[str] = _NODE, week: Optional[str] = _WEEK,
     url, options = _connection(redis_url, settings)
     ledger = RedisBudgetLedger(url, config, **options)
     try:
-        status = ledger.status(_pick_week(week, [] if week else ledger.weeks()), node)
+        week, why = _pick_week(week, ledger)
+        status = ledger.status(week, node)
     except LedgerUnavailable as exc:
         _fail(str(exc))
     finally:
         ledger.close()
     if json_out:
-        typer.echo(json.dumps(status.to_dict(), sort_keys=True))
+        typer.echo(json.dumps({**status.to_dict(), "week_source": why}, sort_keys=True))
         return
-    _print_budget(status, node)
+    _print_budget(status, node, _WEEK_NOTES[why])
 
 
-def _print_budget(status: Any, node: Optional[str]) -> None:
+def _print_budget(status: Any, node: Optional[str], week_note: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
+    console.print(f"week {status.week}{week_note}")
     table = Table(title=f"Fragmentation budget {status.week} "
                         f"(budget {status.budget_s / 60:.0f} min/node)")
     for column in ("node", "cluster", "used min", "remaining min", "state", "top intervals"):
@@ -125,20 +154,22 @@ def slo_report(week: Optional[str] = _WEEK, redis_url: Optional[str] = _REDIS,
     from policy.slo import SloConfig
     from policy.slo_redis import RedisSloLedger
 
+    week = _check_week(week)
     settings = _load_settings()
     config = SloConfig.from_settings(settings)
     url, options = _connection(redis_url, settings)
     ledger = RedisSloLedger(url, config, **options)
     try:
-        report = ledger.report(_pick_week(week, [] if week else ledger.weeks()))
+        week, why = _pick_week(week, ledger)
+        report = ledger.report(week)
     except LedgerUnavailable as exc:
         _fail(str(exc))
     finally:
         ledger.close()
     if json_out:
-        typer.echo(json.dumps(report.to_dict(), sort_keys=True))
+        typer.echo(json.dumps({**report.to_dict(), "week_source": why}, sort_keys=True))
         return
-    _print_slo(report)
+    _print_slo(report, _WEEK_NOTES[why])
 
 
 def _fmt(value: Optional[float], pattern: str = "{:.3f}") -> str:
@@ -149,11 +180,12 @@ def _verdict(met: Optional[bool]) -> str:
     return "[dim]no data[/dim]" if met is None else ("[green]met[/green]" if met else "[red]missed[/red]")
 
 
-def _print_slo(report: Any) -> None:
+def _print_slo(report: Any, week_note: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
+    console.print(f"week {report.week}{week_note}")
     predictions = Table(title=f"Prediction SLO {report.week} (operating threshold)")
     for column in ("TP", "FP", "TN", "FN", "precision", "recall", "FPR"):
         predictions.add_column(column, justify="right")

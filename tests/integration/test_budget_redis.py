@@ -348,6 +348,97 @@ def test_retry_interval_keeps_the_outage_path_off_the_network(persistent_redis):
     ledger.close()
 
 
+def _raw_client(url: str):
+    import redis
+
+    return redis.Redis.from_url(url, decode_responses=True)
+
+
+def test_a_debit_whose_reply_was_lost_still_raises_its_alert_once(persistent_redis):
+    """The exhausting debit runs in Redis but its reply never arrives: the ledger buffers it
+    and replays it as a duplicate. The claim is this debit's, so the alert still comes out,
+    once; a redelivery, or the same tick from another process, raises no second one."""
+    from policy.budget import compute_debit
+    from policy.budget_redis import DEBIT_LUA, RedisBudgetLedger
+
+    config = make_config(budget_s=30.0)
+    ledger = RedisBudgetLedger(persistent_redis.url, config, retry_interval_s=0.0)
+    for i in range(2):
+        assert ledger.debit("gpu0", ts(W48, 10 * i), TICK_S, 0.9).counted
+    exhausting = ts(W48, 20)
+    call = ledger.script_call(compute_debit(config, "gpu0", exhausting, TICK_S, 0.9))
+    raw = _raw_client(persistent_redis.url)
+    assert raw.register_script(DEBIT_LUA)(keys=call.keys, args=call.args)[2] == 1  # claimed
+    raw.close()
+    persistent_redis.stop()  # ...and the reply is lost with the connection
+    assert ledger.debit("gpu0", exhausting, TICK_S, 0.9).buffered
+    assert ledger.take_alerts() == []
+    persistent_redis.start()
+    assert ledger.flush()
+    alerts = ledger.take_alerts()
+    assert [(a.node, a.week, a.ts_ns, a.used_s) for a in alerts] == [
+        ("gpu0", "2026-W48", exhausting, 30.0)]
+    assert alerts[0].top_intervals and ledger.stats().alerts == 1
+    assert ledger.stats().duplicates == 1
+    assert not ledger.debit("gpu0", exhausting, TICK_S, 0.9).counted  # redelivered
+    assert ledger.take_alerts() == [] and ledger.stats().alerts == 1
+    other = RedisBudgetLedger(persistent_redis.url, config)  # another worker, same tick
+    assert not other.debit("gpu0", exhausting, TICK_S, 0.9).counted
+    assert other.take_alerts() == []
+    other.close()
+    ledger.close()
+
+
+def test_a_replica_refusing_writes_buffers_debits_until_it_is_primary_again(persistent_redis,
+                                                                          caplog):
+    """READONLY (e.g. mid-failover) is transient: the debit is buffered, counted in errors,
+    logged once, and replayed when the server accepts writes again."""
+    from policy.budget_redis import RedisBudgetLedger
+
+    ledger = RedisBudgetLedger(persistent_redis.url, make_config(budget_s=3600.0),
+                               retry_interval_s=0.0)
+    assert ledger.debit("gpu0", ts(W48, 0), TICK_S, 0.9).counted
+    raw = _raw_client(persistent_redis.url)
+    raw.replicaof("127.0.0.1", free_port())  # a primary that is not there: read-only
+    caplog.set_level(logging.INFO, logger="kvguard.budget")
+    first = ledger.debit("gpu0", ts(W48, 10), TICK_S, 0.9)
+    second = ledger.debit("gpu0", ts(W48, 20), TICK_S, 0.9)  # its replay is refused too
+    assert first.buffered and second.buffered and not (first.failed or second.failed)
+    assert first.used_s == 20.0 and second.used_s == 30.0  # local estimate
+    stats = ledger.stats()
+    assert (stats.outage, stats.buffered, stats.errors) == (True, 2, 2)  # 1 direct, 1 replayed
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "refusing writes" in warnings[0] and "ReadOnly" in warnings[0]
+    raw.replicaof("NO", "ONE")
+    raw.close()
+    assert ledger.debit("gpu0", ts(W48, 30), TICK_S, 0.9).counted
+    stats = ledger.stats()
+    assert (stats.outage, stats.buffered, stats.replayed, stats.counted) == (False, 0, 2, 4)
+    assert ledger.status("2026-W48").nodes[0].used_s == 40.0
+    ledger.close()
+
+
+def test_a_debit_redis_refuses_for_good_is_reported_failed_not_buffered(redis_url, caplog):
+    """A key of the wrong type makes the script fail every time: retrying cannot help, so the
+    debit is reported failed, logged and counted, and the local estimate does not grow."""
+    from policy.budget_redis import RedisBudgetLedger, budget_keys
+
+    config = make_config()
+    ledger = RedisBudgetLedger(redis_url, config)
+    raw = _raw_client(redis_url)
+    raw.set(budget_keys(config.key_prefix, "2026-W48", "gpu0")[1], "not a hash")
+    raw.close()
+    caplog.set_level(logging.INFO, logger="kvguard.budget")
+    result = ledger.debit("gpu0", ts(W48, 0), TICK_S, 0.9)
+    assert result.failed and not result.buffered and not result.counted
+    assert result.used_s == 0.0
+    stats = ledger.stats()
+    assert (stats.errors, stats.buffered, stats.outage, stats.counted) == (1, 0, False, 0)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "WRONGTYPE" in errors[0] and "dropped" in errors[0]
+    ledger.close()
+
+
 # ----------------------------------------------------------------------------- CLI
 
 def test_budget_status_cli_prints_the_ledger_as_json(redis_url, monkeypatch):
@@ -467,3 +558,61 @@ def test_budget_status_agrees_with_the_ticks_of_a_simulated_fleet(redis_url):
     status = json.loads(result.stdout)
     assert status["week"] == "1970-W01"  # the simulation's clock starts at the epoch
     assert {n["node"]: n["used_s"] for n in status["nodes"]} == pytest.approx(expected)
+
+
+def test_cli_refuses_the_default_redis_without_an_explicit_url(redis_url, monkeypatch, tmp_path):
+    """Without --redis and without redis.url set in file or env, neither command touches
+    the built-in default (127.0.0.1:6379, often a shared server): exit 2 and say what to do."""
+    from typer.testing import CliRunner
+
+    from kvguard.cli.app import app
+
+    monkeypatch.delenv("KVGUARD_REDIS__URL", raising=False)
+    monkeypatch.delenv("KVGUARD_CONFIG", raising=False)
+    monkeypatch.setenv("KVGUARD_REDIS__PASSWORD", "pw")  # a redis section, but no url in it
+    runner = CliRunner()
+    for command in (["budget", "status"], ["slo", "report", "--json"]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 2, (command, result.output)
+        assert "pass --redis URL or set redis.url" in result.stderr
+    monkeypatch.delenv("KVGUARD_REDIS__PASSWORD")
+    prefix = f"test{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("KVGUARD_BUDGET__KEY_PREFIX", prefix)
+    monkeypatch.setenv("KVGUARD_REDIS__URL", redis_url)  # set explicitly: used
+    result = runner.invoke(app, ["budget", "status", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["nodes"] == []
+    monkeypatch.delenv("KVGUARD_REDIS__URL")
+    config_file = tmp_path / "kvguard.toml"
+    config_file.write_text(f'[redis]\nurl = "{redis_url}"\n')
+    monkeypatch.setenv("KVGUARD_CONFIG", str(config_file))  # or set in the config file
+    result = runner.invoke(app, ["slo", "report", "--json"])
+    assert result.exit_code == 0, result.output
+
+
+def test_budget_status_defaults_to_the_latest_week_with_data_and_says_so(redis_url, monkeypatch):
+    from typer.testing import CliRunner
+
+    from kvguard.cli.app import app
+    from policy.budget_redis import RedisBudgetLedger
+
+    prefix = f"test{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("KVGUARD_BUDGET__KEY_PREFIX", prefix)
+    runner = CliRunner()
+    result = runner.invoke(app, ["budget", "status", "--redis", redis_url, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["week_source"] == "current"  # nothing anywhere yet
+    ledger = RedisBudgetLedger(redis_url, BudgetConfig(key_prefix=prefix + ":"))
+    for week in ("2026-W12", "2026-W10"):  # long past: not the current week
+        ledger.debit("gpu0", ts(week_start_ns(week), 0), TICK_S, 0.9)
+    ledger.close()
+    result = runner.invoke(app, ["budget", "status", "--redis", redis_url, "--json"])
+    status = json.loads(result.stdout)
+    assert (status["week"], status["week_source"]) == ("2026-W12", "latest")
+    result = runner.invoke(app, ["budget", "status", "--redis", redis_url])
+    assert "week 2026-W12 (latest week with data)" in result.stdout
+    result = runner.invoke(app, ["budget", "status", "--redis", redis_url, "--week", "2026-W10",
+                                 "--json"])
+    status = json.loads(result.stdout)
+    assert (status["week"], status["week_source"], status["total_used_s"]) == (
+        "2026-W10", "given", 10.0)

@@ -167,3 +167,42 @@ def test_slo_report_cli(redis_url, monkeypatch):
     assert result.exit_code == 0 and "missed" in result.stdout and "lstm" in result.stdout
     result = runner.invoke(app, ["slo", "report", "--redis", f"redis://127.0.0.1:{free_port()}/0"])
     assert result.exit_code == 1 and "unreachable" in result.stderr
+
+
+def test_slo_report_defaults_to_the_latest_week_with_data_and_says_so(redis_url, monkeypatch):
+    from typer.testing import CliRunner
+
+    from kvguard.cli.app import app
+    from policy.slo_redis import RedisSloLedger
+
+    prefix = f"test{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("KVGUARD_BUDGET__KEY_PREFIX", prefix)
+    ledger = RedisSloLedger(redis_url, SloConfig(key_prefix=prefix + ":"))
+    ledger.record_prediction("gpu0", ts(0, week_start_ns("2026-W10")), True, True)
+    ledger.record_prediction("gpu0", ts(0, week_start_ns("2026-W12")), False, True)
+    ledger.close()
+    runner = CliRunner()
+    result = runner.invoke(app, ["slo", "report", "--redis", redis_url, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert (report["week"], report["week_source"]) == ("2026-W12", "latest")
+    assert report["predictions"]["recall"] == 0.0  # W12's one miss, not W10's hit
+    result = runner.invoke(app, ["slo", "report", "--redis", redis_url])
+    assert "week 2026-W12 (latest week with data)" in result.stdout
+
+
+def test_an_slo_record_redis_refuses_for_good_is_counted_as_an_error_not_buffered(redis_url):
+    import redis
+
+    from policy.slo_redis import RedisSloLedger
+
+    config = make_config()
+    ledger = RedisSloLedger(redis_url, config)
+    raw = redis.Redis.from_url(redis_url)
+    raw.set(f"{config.key_prefix}slo:{{2026-W48}}:pred", "not a hash")
+    raw.close()
+    assert not ledger.record_prediction("gpu0", ts(0), True, True)
+    stats = ledger.stats()
+    assert (stats.errors, stats.buffered, stats.counted, stats.outage) == (1, 0, 0, False)
+    assert ledger.record_oom("gpu0", ts(10), {"lstm": 60.0})  # other records still count
+    ledger.close()

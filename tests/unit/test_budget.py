@@ -121,6 +121,50 @@ def test_outage_buffer_drops_the_oldest_and_keeps_unconfirmed_items():
     assert list(buffer.items()) == [4]
 
 
+def test_outage_buffer_puts_refused_items_back_in_front_in_order():
+    buffer = OutageBuffer(4)
+    for item in range(4):
+        buffer.append(item)
+    sent = buffer.peek(3)
+    buffer.commit(3)
+    buffer.append(4)
+    buffer.push_front([sent[0], sent[2]])  # 1 went through, 0 and 2 were refused
+    assert list(buffer.items()) == [0, 2, 3, 4] and buffer.dropped == 0
+    buffer.push_front([9])  # past the bound the oldest goes, as with append: here 9 itself
+    assert list(buffer.items()) == [0, 2, 3, 4] and buffer.dropped == 1
+
+
+def test_a_ledger_passes_one_alert_per_node_and_week_however_often_it_is_claimed():
+    from policy.budget import BudgetAlert
+
+    ledger = MemoryBudgetLedger(BudgetConfig(budget_s=10.0))
+    alert = BudgetAlert(node="gpu0", cluster="c", week="2026-W48", ts_ns=1, used_s=10.0,
+                        budget_s=10.0, top_intervals=())
+    assert ledger._emit(alert) and not ledger._emit(alert)
+    assert ledger._emit(BudgetAlert(**{**_fields(alert), "week": "2026-W49"}))
+    assert [a.week for a in ledger.take_alerts()] == ["2026-W48", "2026-W49"]
+    assert ledger.stats().alerts == 2
+
+
+def _fields(alert) -> dict:
+    return {name: getattr(alert, name) for name in alert.__slots__}
+
+
+def test_redis_refusals_that_pass_are_told_from_those_that_do_not():
+    import redis.exceptions as rex
+
+    from policy.budget_redis import is_transient_refusal
+
+    for exc in (rex.ReadOnlyError("READONLY"), rex.OutOfMemoryError("OOM"),
+                rex.TryAgainError("TRYAGAIN"), rex.MasterDownError("MASTERDOWN"),
+                rex.ResponseError("BUSY Redis is busy running a script")):
+        assert is_transient_refusal(exc), exc
+    for exc in (rex.ResponseError("WRONGTYPE Operation against a key"),
+                rex.ResponseError("ERR user_script:3: bad argument"), rex.DataError("bad arg"),
+                rex.NoPermissionError("NOPERM")):
+        assert not is_transient_refusal(exc), exc
+
+
 def test_outage_tracker_reports_each_transition_once():
     tracker = OutageTracker()
     assert not tracker.succeeded()
