@@ -14,6 +14,8 @@ per node, fsynced — *before* the command executes: if the process dies mid-com
 actuator finds the id and acks the redelivered copy as a duplicate instead of applying it a
 second time. (If it died before the effect happened, the effect is lost; the next tick's
 decision issues a fresh command with a fresh id, which is the safe direction for memory actions.)
+If ``execute`` raises, the command is acked FAILED with the error and the loop goes on; its id
+stays journaled (the effect may be partly applied), so at-most-once application still holds.
 Journal entries are dropped once their command's TTL has passed: an older redelivery is rejected
 as expired anyway, so the journal stays small.
 
@@ -135,7 +137,17 @@ class Actuator:
             return self._reject(command, now_ns, started, AckOutcome.REJECTED_EXPIRED,
                                 f"expired {late_s:.3f} s ago (ttl {command.ttl_ns / 1e9:g} s)")
         self.journal.record(command.id, command.expires_at_ns())
-        result = self.executor.execute(command, now_ns)
+        try:
+            result = self.executor.execute(command, now_ns)
+        except Exception as err:  # noqa: BLE001 - an executor bug must not stop the node's actuator
+            # the id stays journaled: the effect may be partly applied, so a redelivered copy is a
+            # duplicate, never a second application (at most once); the policy's next tick decides anew
+            self.journal.prune(now_ns)
+            self.counters.failed += 1
+            log.exception("actuator %s: command %s (%s) raised while executing", self.node, command.id,
+                          command.action.value)
+            return self._ack(command, now_ns, started, AckOutcome.FAILED,
+                             errors=(f"execute raised {type(err).__name__}: {err}",))
         self.journal.prune(now_ns)
         if result.outcome is AckOutcome.EXECUTED:
             self.counters.executed += 1
@@ -181,6 +193,7 @@ async def run_actuators(bus: Any, settings: Any, actuators: Mapping[str, Actuato
     """
     from kvguard.bus.dlq import RecordDecoder
     from kvguard.schemas import make_headers
+    from policy.service import deliver_all
 
     commands_topic = settings.topics.name("commands")
     acks_topic = settings.topics.name("acks")
@@ -189,6 +202,7 @@ async def run_actuators(bus: Any, settings: Any, actuators: Mapping[str, Actuato
     try:
         while stop is None or not stop.is_set():
             records = await subscription.getmany(max_records=256, timeout_s=poll_s)
+            pending: list = []
             for record in records:
                 model = await decoder.decode("commands", record)
                 if model is not None:
@@ -197,10 +211,14 @@ async def run_actuators(bus: Any, settings: Any, actuators: Mapping[str, Actuato
                     if actuator is not None:
                         ack = actuator.handle_record(data, node_time_ns(actuator.node))
                         if ack is not None:
-                            await bus.publish(acks_topic, ack.node, ack.to_bytes(),
-                                              make_headers("acks", ack.node, record_id=ack.command_id))
+                            pending.append((acks_topic, ack.node, ack.to_bytes(),
+                                            make_headers("acks", ack.node, record_id=ack.command_id)))
                             if on_ack is not None:
                                 on_ack(ack)
+            # acks delivered (retried through an outage) before the commands are committed; a
+            # redelivered command after a crash here is acked as a duplicate (journal), not re-applied
+            if not await deliver_all(bus, pending, stop=stop, label=f"actuator acks ({group})"):
+                break
             if records:
                 await subscription.commit()
     finally:

@@ -98,6 +98,7 @@ async def faust_consume(settings, n_records: int, app_id: str) -> tuple[float, f
             await asyncio.sleep(0.01)
         wall = time.perf_counter() - (first or time.perf_counter())
         cpu = time.process_time() - (cpu0 or time.process_time())
+        await worker.wait_outputs()
         return wall, cpu, worker.counters.as_dict()
     finally:
         await app.stop()

@@ -2,9 +2,10 @@
 30-minute windows <= 20 ms per tick). Prints one JSON object.
 
 Two paths are timed with the same model:
-- ``window``: ``LSTMPredictor.predict`` on [n, 180, F] windows (the ``Predictor`` protocol the
-  stream core calls today): 180 LSTM steps per node per tick.
-- ``stateful``: ``LSTMPredictor.step`` keeps each node's (h, c) and advances one step per tick.
+- ``window``: ``LSTMPredictor.predict`` on [n, 180, F] windows (the ``Predictor`` protocol's
+  path, used by the stream core for predictors without ``step``): 180 LSTM steps per node per tick.
+- ``stateful``: ``LSTMPredictor.step`` keeps each node's (h, c) and advances one step per tick;
+  what ``StreamCore`` calls for the LSTM (``prime`` once per node, then ``step``).
 It also reports how far the two paths' P(OOM) drift apart on a simulated hour of real features.
 
     .venv/bin/python bench/bench_predictor.py [--nodes 1000] [--threads 1] [--model DIR]

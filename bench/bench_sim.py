@@ -54,7 +54,8 @@ def run_case(profile_name: str, workload: str, rate_scale: float, seconds: float
         "concurrent_mean_busy": round(sum(busy) / len(busy), 1) if busy else 0.0,
         "concurrent_max": max(running), "events": events, "events_per_wall_second": round(events / wall),
         "events_per_cpu_second": round(events / cpu),
-        "steps": engine.steps, "requests": s.requests, "completed": s.completed, "ooms": s.ooms,
+        "steps": engine.steps, "requests": s.requests, "completed": s.completed, "failed": s.failed,
+        "rejected": s.rejected, "unfinished": s.unfinished, "ooms": s.ooms,
         "preemptions": s.preemptions,
     }
 

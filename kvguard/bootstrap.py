@@ -35,6 +35,7 @@ class Graph:
     engine_config: Any  # policy.engine.EngineConfig
     bus: Any = None
     ledger: Any = None
+    slo_ledger: Any = None
     predictor: Any = None
     predictor_note: str = ""
     notes: list[str] = field(default_factory=list)
@@ -67,11 +68,28 @@ class Graph:
 
         return PolicyEngine(self.engine_config, self.secret)
 
-    def policy_service(self, *, bus: Any = None, ledger: Any = None):
+    def slo_recorder(self, slo_ledger: Any = None, *, confirm_with_acks: bool = False):
+        """The SLO recorder over ``slo_ledger`` (default: the graph's; None when neither is set).
+        Predictions are labelled at the operating threshold: the predictor's calibrated one unless
+        ``predictor.threshold`` is set, the same line the stream's tier-3 alert uses."""
+        from policy.service import SloRecorder
+        from policy.slo import SloConfig
+
+        slo_ledger = slo_ledger if slo_ledger is not None else self.slo_ledger
+        if slo_ledger is None:
+            return None
+        thresholds = self.stream_config().thresholds
+        return SloRecorder(slo_ledger, threshold=thresholds.p_oom, thresholds=thresholds,
+                           horizon_s=SloConfig.from_settings(self.settings).horizon_s,
+                           confirm_with_acks=confirm_with_acks)
+
+    def policy_service(self, *, bus: Any = None, ledger: Any = None, slo: Any = None):
+        """``slo``: an ``SloRecorder`` (default: one over the graph's SLO ledger, if any)."""
         from policy.service import PolicyService
 
         return PolicyService(self.policy_engine(), self.settings, bus=bus or self.bus,
-                             ledger=ledger if ledger is not None else self.ledger)
+                             ledger=ledger if ledger is not None else self.ledger,
+                             slo=slo if slo is not None else self.slo_recorder())
 
     # -- node side ------------------------------------------------------------------------------
 
@@ -95,7 +113,8 @@ class Graph:
         return out
 
 
-def bootstrap(settings: Any = None, *, bus: Any = None, ledger: Any = None, profile: str | None = None,
+def bootstrap(settings: Any = None, *, bus: Any = None, ledger: Any = None, slo_ledger: Any = None,
+              profile: str | None = None,
               predictor: Any = "shipped", strategy_overrides: Mapping[str, Mapping[str, Any]] | None = None,
               require_secret: bool = False) -> Graph:
     """Build the graph. ``predictor``: ``"shipped"`` (load the shipped LSTM if present), ``None``
@@ -108,7 +127,7 @@ def bootstrap(settings: Any = None, *, bus: Any = None, ledger: Any = None, prof
     secret, generated = _secret(settings, require_secret)
     engine_config = engine_config_from(settings, prof, strategy_overrides or {})
     graph = Graph(settings=settings, profile=prof, secret=secret, secret_generated=generated,
-                  engine_config=engine_config, bus=bus, ledger=ledger)
+                  engine_config=engine_config, bus=bus, ledger=ledger, slo_ledger=slo_ledger)
     graph.predictor, graph.predictor_note = _predictor(settings, predictor)
     return graph
 
@@ -152,6 +171,14 @@ def make_ledger(settings: Any, redis_url: str | None = None):
     from policy.budget_redis import RedisBudgetLedger
 
     return RedisBudgetLedger(redis_url, config)
+
+
+def make_slo_ledger(settings: Any, redis_url: str | None = None):
+    """The SLO ledger: Redis when a URL is given, else the in-memory one (embedded)."""
+    from policy.slo import SloConfig
+    from policy.slo_redis import open_slo_ledger
+
+    return open_slo_ledger(redis_url, SloConfig.from_settings(settings))
 
 
 def make_bus(settings: Any, bus_url: str | None):

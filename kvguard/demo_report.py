@@ -23,7 +23,8 @@ TABLE_KEYS = ("requests", "completed", "failed", "ooms", "preemptions", "ttft_p5
 
 
 def write_report(directory: str | Path, result: dict, baseline: Any, guarded: Any) -> Path:
-    out = Path(directory)
+    """Write summary.json, report.md and the plots into ``directory``; returns its absolute path."""
+    out = Path(directory).resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     _timeline(out / "timeline.png", baseline, guarded)
@@ -111,9 +112,17 @@ def _markdown(result: dict) -> str:
                   f"- acks by action and outcome: `{json.dumps(kv.get('acks', {}))}`",
                   f"- policy counters: `{json.dumps(kv.get('policy', {}))}`",
                   f"- actuator counters: `{json.dumps(kv.get('actuators', {}))}`",
+                  f"- SLO ledger records: `{json.dumps(kv.get('slo') or {})}`",
                   f"- mode changes: {len(kv.get('mode_changes', []))}"]
         lines += [f"  - {c['node']} at {c['ts_ns'] / 1e9:.0f} s: {c['from_mode']} → {c['to_mode']} ({c['reason']})"
                   for c in kv.get("mode_changes", [])[:20]]
+        lines.append("")
+    ledger = result.get("ledger") or {}
+    if ledger:
+        lines += ["## Ledgers", "", f"- backend: {ledger.get('backend')}"
+                  + (f", run `{result.get('run_id')}` (nodes {', '.join(result.get('nodes', []))})"
+                     if result.get("run_id") else "")]
+        lines += [f"- problem: {p}" for p in ledger.get("problems", [])]
         lines.append("")
     lines += ["![timeline](timeline.png)", "", "![outcomes](outcomes.png)", ""]
     return "\n".join(lines)

@@ -74,6 +74,7 @@ class Decision:
     plan: Plan | None = None
     commands: list[Command] = field(default_factory=list)
     mode_change: ModeChange | None = None
+    stale: bool = False
 
 
 @dataclass(slots=True)
@@ -89,6 +90,7 @@ class EngineCounters:
     mode_changes: int = 0
     no_candidate: int = 0
     headroom_commands: int = 0
+    stale_ticks: int = 0  # duplicate or out-of-order ticks skipped (a redelivery after recovery)
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -104,14 +106,28 @@ class PolicyEngine:
         self._recent: dict[str, dict[int, int]] = {}
         self._held: dict[str, tuple[int, int]] = {}  # node -> (units held, ts_ns of the last command)
         self._calm: dict[str, int] = {}
+        self._last_ts: dict[str, int] = {}  # node -> ts_ns of the last tick decided on
 
     def strategy_for(self, mode: Mode) -> Strategy:
         return self.config.emergency if mode is Mode.EMERGENCY else self.config.default
 
     def decide(self, tick: Any, *, budget_remaining_frac: float | None = None) -> Decision:
-        """Commands for one tick of one node. ``tick``: a ``streams.metrics.Tick`` or a ``NodeView``."""
+        """Commands for one tick of one node. ``tick``: a ``streams.metrics.Tick`` or a ``NodeView``.
+
+        A tick at or before the node's last decided tick (a redelivered duplicate, or an older
+        tick replayed after a consumer recovery) is skipped and counted in ``stale_ticks``: it
+        would move the mode tracker's dwell time and the scan clock backwards and count the
+        same rise or calm tick twice. Its decision carries no commands and ``stale=True``.
+        """
         view = tick if isinstance(tick, NodeView) else view_from_tick(
             tick, dynamic_units=self.config.dynamic_units, unit_tokens=self.config.unit_tokens)
+        last = self._last_ts.get(view.node)
+        if last is not None and view.ts_ns <= last:
+            self.counters.stale_ticks += 1
+            mode = self.modes.mode(view.node)
+            return Decision(view.node, view.ts_ns, mode, self.strategy_for(mode).variant,
+                            reason=f"stale tick: ts_ns {view.ts_ns} <= last decided {last}", stale=True)
+        self._last_ts[view.node] = view.ts_ns
         self.counters.ticks += 1
         change = self.modes.observe(view)
         if change:

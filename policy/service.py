@@ -6,7 +6,11 @@ of it this week, ask the engine for a decision, then publish
 * each command on ``kvguard.commands`` keyed by node (the actuator of that node consumes it);
 * each mode change as an alert on ``kvguard.alerts`` (``KVGuardPolicyEmergency``: firing on
   escalation, resolved on de-escalation), and logs it;
-* budget alerts the ledger raised (exhaustion: RCA required) on ``kvguard.alerts``.
+* budget alerts the ledger raised (exhaustion: RCA required) on ``kvguard.alerts``;
+
+and, with an ``SloRecorder``, records the tick's prediction outcome, OOMs with per-tier lead
+times and evictions in the SLO ledger. Delivery: ``run`` commits a batch of ticks only after its
+commands and alerts were delivered (``deliver_all`` retries through a broker outage).
 
 ``handle_tick`` is synchronous and returns the records, so the embedded loop calls it directly
 and deterministically; ``run`` is the async consumer over any bus (in-process or Kafka).
@@ -17,6 +21,7 @@ sizes, the utilization split in units) reach the planner.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -27,6 +32,8 @@ from policy.engine import Decision, PolicyEngine
 from policy.modes import ModeChange
 
 log = logging.getLogger(__name__)
+delivery_log = logging.getLogger("policy.delivery")  # retries through a broker outage
+ledger_log = logging.getLogger("policy.ledger")  # budget/SLO ledger unreachable (once per outage)
 
 MODE_ALERT = "KVGuardPolicyEmergency"
 
@@ -41,14 +48,18 @@ class Outgoing:
 
 
 class PolicyService:
-    def __init__(self, engine: PolicyEngine, settings: Any, *, bus: Any = None, ledger: Any = None) -> None:
+    def __init__(self, engine: PolicyEngine, settings: Any, *, bus: Any = None, ledger: Any = None,
+                 slo: "SloRecorder | None" = None) -> None:
         self.engine = engine
         self.settings = settings
         self.bus = bus
         self.ledger = ledger
+        self.slo = slo
         self.budget_s = float(settings.budget.minutes_per_week) * 60.0
         self.mode_changes: list[ModeChange] = []
         self.ticks = 0
+        self.budget_errors = 0  # ticks decided without the budget (ledger unreachable)
+        self._budget_down = False
         self._warned_priority: set[str] = set()
 
     # -- the synchronous core of the shell ------------------------------------------------------
@@ -58,6 +69,9 @@ class PolicyService:
         remaining_frac = self._budget(tick)
         decision = self.engine.decide(tick, budget_remaining_frac=remaining_frac)
         out = Outgoing(decision, commands=list(decision.commands))
+        if self.slo is not None and not decision.stale:
+            self.slo.observe_tick(tick)
+            self.slo.observe_decision(decision)
         if decision.mode_change is not None:
             change = decision.mode_change
             self.mode_changes.append(change)
@@ -86,28 +100,48 @@ class PolicyService:
                 self.ledger.debit_tick(tick)
             remaining_s = self.ledger.remaining(str(get("node")), tick_week(int(get("ts_ns"))))
         except Exception as err:  # the budget informs the policy; an unreachable ledger must not stop it
-            log.warning("policy: budget ledger unavailable: %s", err)
+            self.budget_errors += 1
+            if not self._budget_down:
+                self._budget_down = True
+                ledger_log.warning("policy: budget ledger unavailable, deciding without it: %s", err)
             return None
+        if self._budget_down:
+            self._budget_down = False
+            ledger_log.warning("policy: budget ledger reachable again after %d tick(s) without it",
+                               self.budget_errors)
         return max(0.0, remaining_s) / self.budget_s if self.budget_s > 0 else None
 
     # -- the async shell over a bus ----------------------------------------------------------------
 
-    async def publish(self, out: Outgoing) -> None:
+    def messages(self, out: Outgoing) -> list[tuple[str, str, bytes, list]]:
+        """``out`` as (topic, key, value, headers) records, in publishing order."""
+        import orjson
+
         from kvguard.schemas import make_headers
 
         topics = self.settings.topics
-        for cmd in out.commands:
-            await self.bus.publish(topics.name("commands"), cmd.node, cmd.to_bytes(),
-                                   make_headers("commands", "kvguard-policy", record_id=cmd.id))
-        for alert in out.alerts:
-            import orjson
+        records = [(topics.name("commands"), cmd.node, cmd.to_bytes(),
+                    make_headers("commands", "kvguard-policy", record_id=cmd.id)) for cmd in out.commands]
+        records += [(topics.name("alerts"), alert["node"], orjson.dumps(alert),
+                     make_headers("alerts", "kvguard-policy")) for alert in out.alerts]
+        return records
 
-            await self.bus.publish(topics.name("alerts"), alert["node"], orjson.dumps(alert),
-                                   make_headers("alerts", "kvguard-policy"))
+    async def publish(self, out: Outgoing, *, stop: Any = None) -> bool:
+        """Publish and wait until every record is delivered (retrying through a broker outage);
+        False only when ``stop`` was set before that."""
+        return await deliver_all(self.bus, self.messages(out), stop=stop, label="policy")
 
     async def run(self, *, group: str = "kvguard-policy", stop: Any = None, poll_s: float = 0.1,
                   on_output: Any = None) -> None:
-        """Consume ``kvguard.metrics`` until ``stop`` (an asyncio.Event) is set."""
+        """Consume ``kvguard.metrics`` until ``stop`` (an asyncio.Event) is set.
+
+        The batch's offsets are committed only after every command and alert it produced was
+        delivered (``deliver_all``: a full send buffer or a failed send is retried with backoff,
+        so a broker outage pauses the service instead of killing it or losing commands). If
+        ``stop`` interrupts the retries the batch is not committed, so the group's next consumer
+        gets it again (commands are idempotent by id). Within one process the engine skips ticks
+        it has decided on already (``PolicyEngine.decide``: stale ticks).
+        """
         import orjson
 
         from kvguard.bus.dlq import RecordDecoder
@@ -117,16 +151,76 @@ class PolicyService:
         try:
             while stop is None or not stop.is_set():
                 records = await subscription.getmany(max_records=512, timeout_s=poll_s)
+                pending: list = []
                 for record in records:
                     if await decoder.decode("metrics", record) is not None:
                         out = self.handle_tick(orjson.loads(record.value))
-                        await self.publish(out)
+                        pending += self.messages(out)
                         if on_output is not None:
                             on_output(out)
+                if not await deliver_all(self.bus, pending, stop=stop, label="policy"):
+                    break  # stopping mid-outage: leave the batch uncommitted
                 if records:
                     await subscription.commit()
         finally:
             await subscription.close()
+
+
+async def deliver_all(bus: Any, records: list[tuple], *, stop: Any = None, label: str = "kvguard",
+                      backoff_s: float = 0.1, max_backoff_s: float = 5.0) -> bool:
+    """Publish ``records`` ((topic, key, value, headers) tuples) and await every delivery.
+
+    ``bus.publish`` only queues a record; its future says whether the broker took it. A record
+    refused with ``SendBufferFull`` or whose delivery failed is published again after a backoff
+    (doubling up to ``max_backoff_s``), in the original order, until all are delivered. A
+    retried record may arrive twice or after a later one: commands are idempotent (id) and
+    headroom is a level, so that is safe. Returns False when ``stop`` (an asyncio.Event) is set
+    while records are still undelivered; ``BusClosed`` propagates (retrying cannot help).
+    """
+    from kvguard.bus.base import BusClosed, SendBufferFull
+
+    pending = list(records)
+    delay = backoff_s
+    attempt = 0
+    while pending:
+        attempt += 1
+        queued: list[tuple[tuple, Any]] = []
+        failed: list[tuple] = []
+        error: BaseException | None = None
+        for i, record in enumerate(pending):
+            try:
+                queued.append((record, await bus.publish(*record)))
+            except SendBufferFull as err:
+                error = err
+                failed.extend(pending[i:])  # the buffer is full: the rest would wait the same
+                break
+        results = await asyncio.gather(*(fut for _, fut in queued), return_exceptions=True)
+        for (record, _), result in zip(queued, results):
+            if isinstance(result, BusClosed):
+                raise result
+            if isinstance(result, BaseException):
+                failed.append(record)
+                error = error or result
+        if not failed:
+            if attempt > 1:
+                delivery_log.warning("%s: delivered after %d attempts", label, attempt)
+            return True
+        order = {id(r): i for i, r in enumerate(pending)}
+        pending = sorted(failed, key=lambda r: order[id(r)])
+        delivery_log.warning("%s: %d record(s) not delivered (%s: %s); retrying in %.1f s", label, len(pending),
+                    type(error).__name__, error, delay)
+        if stop is not None and stop.is_set():
+            return False
+        if stop is None:
+            await asyncio.sleep(delay)
+        else:
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+                return False
+            except TimeoutError:
+                pass
+        delay = min(max_backoff_s, delay * 2)
+    return True
 
 
 def mode_alert(change: ModeChange) -> dict:
@@ -147,3 +241,156 @@ def budget_alert_record(alert: Any) -> dict:
     fields = dict(alert.alert_fields()) if hasattr(alert, "alert_fields") else dict(alert.to_dict())
     fields.setdefault("schema", "1.0")
     return fields
+
+
+# ----------------------------------------------------------------------------- SLO recording
+
+TIER_RULES = ("threshold", "slope", "fragmentation", "lstm")
+
+
+@dataclass(slots=True)
+class SloCounters:
+    ticks: int = 0
+    predictions: int = 0
+    ooms: int = 0
+    evictions: int = 0
+    outcomes: int = 0
+    errors: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class SloRecorder:
+    """Feeds the SLO ledger (``policy.slo``) from what the policy sees.
+
+    * predictions: each tick with a P(OOM) is labelled by ``OutcomeTracker`` at the operating
+      ``threshold`` once its horizon has passed (positive: an OOM on the node within the horizon);
+    * OOMs: a tick counting OOMs records one OOM at the tick's time with each tier's lead time,
+      the time since that tier's condition has held without a break on the node's earlier ticks
+      (0: the tier did not see it coming). Tier conditions are the alert rules' (DESIGN §4)
+      without their ``for`` durations: threshold = U_kv or Ψ above critical, slope = U_kv rising
+      faster than the slope line, fragmentation = U_kv and F_ext both high, lstm = P(OOM) at or
+      above the operating threshold (only when ticks carry a P(OOM));
+    * evictions: each EVICT target, when its command is issued (``confirm_with_acks=False``, the
+      standalone policy service) or when its ack says EXECUTED (the demo, which sees the acks);
+    * eviction outcomes: ``observe_batches`` reads the nodes' FINISH events (completed or not).
+
+    Ledger errors are logged and counted, never raised: the SLO ledger informs, it does not steer.
+    """
+
+    def __init__(self, ledger: Any, *, threshold: float, horizon_s: float, thresholds: Any = None,
+                 confirm_with_acks: bool = False) -> None:
+        from policy.slo import OutcomeTracker
+
+        self.ledger = ledger
+        self.threshold = float(threshold)
+        self.thresholds = thresholds
+        self.confirm_with_acks = confirm_with_acks
+        self.tracker = OutcomeTracker(self.threshold, horizon_s)
+        self.counters = SloCounters()
+        self._onset: dict[str, dict[str, int]] = {}
+        self._last_ts: dict[str, int] = {}
+        self._issued: dict[str, tuple[str, int, tuple[int, ...]]] = {}  # command id -> (node, ts, reqs)
+        self._evicted: set[tuple[str, int]] = set()
+        self._logged_error = False
+
+    # ticks ---------------------------------------------------------------------------------------
+
+    def observe_tick(self, tick: Any) -> None:
+        get = tick.get if isinstance(tick, dict) else (lambda k, d=None: getattr(tick, k, d))
+        node, ts_ns = str(get("node")), int(get("ts_ns"))
+        if ts_ns <= self._last_ts.get(node, -1):
+            return  # a redelivered tick was counted already
+        self._last_ts[node] = ts_ns
+        self.counters.ticks += 1
+        p_oom = get("p_oom")
+        onset = self._onset.setdefault(node, {})
+        if int(get("ooms") or 0) > 0:
+            tiers = [t for t in TIER_RULES if t != "lstm" or p_oom is not None]
+            leads = {t: (ts_ns - onset[t]) / 1e9 if t in onset else 0.0 for t in tiers}
+            self.tracker.observe_oom(node, ts_ns)
+            if self._call(self.ledger.record_oom, node, ts_ns, leads):
+                self.counters.ooms += 1
+        for tier, holds in self._conditions(get, p_oom).items():
+            if holds:
+                onset.setdefault(tier, ts_ns)
+            else:
+                onset.pop(tier, None)
+        self.tracker.observe_tick(node, ts_ns, None if p_oom is None else float(p_oom))
+        self._resolve(ts_ns)
+
+    def _conditions(self, get: Any, p_oom: Any) -> dict[str, bool]:
+        t = self.thresholds
+        u_kv, psi, f_ext = float(get("u_kv") or 0.0), float(get("psi") or 0.0), float(get("f_ext") or 0.0)
+        slope = float(get("slope_per_min") or 0.0)
+        return {
+            "threshold": u_kv > getattr(t, "u_kv_critical", 0.90) or psi >= getattr(t, "psi_critical", 0.95),
+            "slope": slope > getattr(t, "slope_per_min", 0.05),
+            "fragmentation": u_kv > getattr(t, "frag_u_kv", 0.88) and f_ext > getattr(t, "frag_f_ext", 0.5),
+            "lstm": p_oom is not None and float(p_oom) >= self.threshold,
+        }
+
+    def _resolve(self, now_ns: int) -> None:
+        for outcome in self.tracker.resolve(now_ns):
+            if self._call(self.ledger.record_prediction, outcome.node, outcome.ts_ns, outcome.predicted,
+                          outcome.actual):
+                self.counters.predictions += 1
+
+    def finish(self, now_ns: int) -> None:
+        """Label what the horizon allows at the end of a run (later ticks stay unlabelled)."""
+        self._resolve(now_ns)
+
+    # evictions -----------------------------------------------------------------------------------
+
+    def observe_decision(self, decision: Any) -> None:
+        from policy.commands import Action
+
+        for cmd in getattr(decision, "commands", ()):
+            if cmd.action is not Action.EVICT:
+                continue
+            reqs = tuple(int(t.req) for t in cmd.targets)
+            if self.confirm_with_acks:
+                self._issued[cmd.id] = (cmd.node, cmd.issued_at_ns, reqs)
+            else:
+                self._record_evictions(cmd.node, cmd.issued_at_ns, reqs)
+
+    def observe_ack(self, ack: Any) -> None:
+        issued = self._issued.pop(ack.command_id, None)
+        if issued is not None and getattr(ack.outcome, "value", ack.outcome) == "executed":
+            self._record_evictions(*issued)
+
+    def _record_evictions(self, node: str, ts_ns: int, reqs: tuple[int, ...]) -> None:
+        for req in reqs:
+            self._evicted.add((node, req))
+            if self._call(self.ledger.record_eviction, node, str(req), ts_ns):
+                self.counters.evictions += 1
+
+    def observe_batches(self, batches: Any) -> None:
+        """Outcomes of evicted requests from the nodes' event batches (FINISH rows)."""
+        if not self._evicted:
+            return
+        from kvguard.events import EventKind, Outcome
+
+        for batch in batches:
+            events = batch.events
+            if not len(events):
+                continue
+            finish = events[events["kind"] == int(EventKind.FINISH)]
+            for row in finish:
+                key = (batch.node, int(row["req"]))
+                if key in self._evicted:
+                    self._evicted.discard(key)
+                    if self._call(self.ledger.record_eviction_outcome, batch.node, str(key[1]),
+                                  int(row["flags"]) == int(Outcome.COMPLETED)):
+                        self.counters.outcomes += 1
+
+    def _call(self, fn: Any, *args: Any) -> bool:
+        try:
+            return bool(fn(*args))
+        except Exception as err:  # noqa: BLE001 - an unreachable ledger must not stop the policy
+            self.counters.errors += 1
+            if not self._logged_error:
+                self._logged_error = True
+                ledger_log.warning("policy: SLO ledger write failed: %s: %s", type(err).__name__, err)
+            return False

@@ -10,9 +10,11 @@ physically, in contiguous runs. The gap between the two is where fragmentation O
 Baseline recovery on a KV allocation failure is vLLM's: reclaim cached prefix pages (LRU), then
 preempt running requests (lowest priority first, then newest) until the count fits, and recompute
 them later. An allocation that still fails, or a step's workspace buffer that does not fit after
-reclaiming cached pages, crashes the engine: an OOM row, every running (and swapped) request
-finishes FAILED_OOM, the pool resets, and the GPU is down for ``restart_s``; waiting requests stay
-queued.
+reclaiming cached pages, crashes the engine the way a real server process dies of CUDA OOM: an OOM
+row, every request it holds (running, swapped and waiting: the whole in-memory queue) finishes
+FAILED_OOM, the pool resets, and the GPU is down for ``restart_s``. While it is down it refuses
+work: a request that arrives then finishes REJECTED at once (a router with a health check sends
+new work to the GPUs that are up instead; see ``producers.fleet``), so it restarts empty.
 
 Pure decode phases are fused: when no prefill is pending, up to ``max_fused_steps`` identical decode
 steps run as one block (KV slots for the block are allocated at its start, as vLLM's multi-step
@@ -74,7 +76,9 @@ class EngineConfig:
 class RunSummary:
     requests: int
     completed: int
-    failed: int
+    failed: int  # finished FAILED_OOM (the engine crashed under them)
+    rejected: int  # refused: the prompt could never fit, or the engine was down when it arrived
+    unfinished: int  # still queued, running or swapped when the run ended
     ooms: int
     preemptions: int
     ttft_p50_s: float | None
@@ -161,6 +165,7 @@ class Engine:
         self.requests = 0
         self.completed = 0
         self.failed = 0
+        self.rejected = 0
         self.ooms = 0
         self.preemptions = 0
         self.priority_defaulted = 0
@@ -201,6 +206,11 @@ class Engine:
         heapq.heappush(self._arrivals, (request.arrival_ns, request.req_id, request))
         self._outstanding += request.prompt_tokens + request.max_output_tokens
 
+    def is_up(self, at_ns: int) -> bool:
+        """Whether a request arriving at ``at_ns`` would be accepted (the engine is not restarting
+        after a crash then): the router's health check."""
+        return max(at_ns, self.now_ns) >= self.down_until_ns
+
     def outstanding_tokens(self) -> int:
         """Prompt + output tokens of every request submitted here and not yet finished: the
         router's load measure (O(1), kept as requests come and go)."""
@@ -223,8 +233,10 @@ class Engine:
             self.requests += 1
             self._emit(arrival_ns, EventKind.ARRIVE, r.req_id, cls=priority, flags=flags,
                        tokens=r.prompt_tokens, aux=r.max_output_tokens)
-            if r.prompt_tokens + 1 > self.max_prompt or self._units_for(r.prompt_tokens + 1) + self.ws_reserve_units > self.dynamic_units:
-                self.failed += 1
+            if (arrival_ns < self.down_until_ns or r.prompt_tokens + 1 > self.max_prompt
+                    or self._units_for(r.prompt_tokens + 1) + self.ws_reserve_units > self.dynamic_units):
+                # down (restarting after a crash) or a prompt that could never fit: refused
+                self.rejected += 1
                 self._outstanding -= r.prompt_tokens + r.max_output_tokens
                 self._emit(arrival_ns, EventKind.FINISH, r.req_id, flags=int(Outcome.REJECTED))
                 continue
@@ -238,7 +250,7 @@ class Engine:
         before ``until_ns`` runs to its end, so ``now_ns`` may pass it slightly)."""
         while self.now_ns < until_ns:
             if self.now_ns < self.down_until_ns:
-                # crashed: requests keep arriving and queue up while the GPU restarts
+                # crashed: requests that arrive while the GPU restarts are refused
                 resume = min(self.down_until_ns, until_ns)
                 self._arrive(resume)
                 self.downtime_ns += resume - self.now_ns
@@ -545,9 +557,10 @@ class Engine:
         self.oom_log.append({"t_s": round(now / NS, 3), "what": what, "requested_units": units,
                              "largest_free_run": largest, "free_units": free_units,
                              "fragmentation": free_units >= units, "running": len(self._running),
-                             "waiting": len(self._waiting)})
+                             "waiting": len(self._waiting), "swapped": len(self._swapped)})
         self._emit(now, EventKind.OOM, req, size=units, aux=largest)
-        for s in list(self._running) + list(self._swapped):
+        # the process dies with its whole in-memory queue: running, then swapped, then waiting
+        for s in list(self._running) + list(self._swapped) + list(self._waiting):
             s.state = SeqState.FINISHED
             self.failed += 1
             self._outstanding -= s.prompt + s.req.max_output_tokens
@@ -555,8 +568,7 @@ class Engine:
             del self._seqs[s.rid]
         self._running = []
         self._swapped.clear()
-        for s in self._waiting:  # pages of waiting requests (retained) are gone with the reset
-            s.kv_tokens, s.retained, s.pending, s.room = 0, False, 0, 0
+        self._waiting.clear()
         self.pool.reset(now)
         self.down_until_ns = now + int(self.config.restart_s * NS)
         self.now_ns = now + 1
@@ -671,7 +683,8 @@ class Engine:
 
         sim_s = self.now_ns / NS
         return RunSummary(
-            requests=self.requests, completed=self.completed, failed=self.failed, ooms=self.ooms,
+            requests=self.requests, completed=self.completed, failed=self.failed, rejected=self.rejected,
+            unfinished=len(self._seqs), ooms=self.ooms,
             preemptions=self.preemptions, ttft_p50_s=pct(self._ttft_ns, 50), ttft_p99_s=pct(self._ttft_ns, 99),
             tpot_p50_s=pct(self._tpot_ns, 50), tpot_p99_s=pct(self._tpot_ns, 99),
             goodput_tokens_per_s=round(self.goodput_tokens / sim_s, 3) if sim_s > 0 else 0.0,

@@ -1,6 +1,8 @@
 """Several simulated GPUs behind a router: one ``Engine`` + ``PagedPool`` per GPU, node ids
 ``sim-0/gpu0`` … . Requests are routed when they arrive (least outstanding tokens by default, ties to
-the lowest GPU index, so runs are deterministic), and every node's events are drained as
+the lowest GPU index, so runs are deterministic). The router health-checks: a GPU that is restarting
+after an OOM crash gets no new work while another is up; only when every GPU is down does a request
+go to a down one, which refuses it (FINISH REJECTED). Every node's events are drained as
 ``EventBatch``es with increasing ``seq``, one ``epoch`` per run, the geometry on the first batch and on
 every snapshot batch, and a SNAPSHOT + ``PoolState`` every ``snapshot_every_s`` of event time.
 """
@@ -17,13 +19,26 @@ from producers.profiles import Profile
 from producers.workloads import Request, Workload
 
 
+def _up(engines: list[Engine], request: Request) -> list[int]:
+    """Indexes of the GPUs that would accept ``request`` (the load balancer's health check)."""
+    return [i for i, e in enumerate(engines) if e.is_up(request.arrival_ns)]
+
+
 def _route_least_loaded(engines: list[Engine], request: Request) -> int:
-    loads = [e.outstanding_tokens() + (0 if e.down_until_ns <= e.now_ns else 1 << 40) for e in engines]
-    return min(range(len(loads)), key=loads.__getitem__)  # the first least loaded, as np.argmin
+    # least loaded among the GPUs that are up; all down: least loaded of all (it refuses the request)
+    candidates = _up(engines, request) or range(len(engines))
+    return min(candidates, key=lambda i: engines[i].outstanding_tokens())  # ties: the lowest index
 
 
 def _route_round_robin(engines: list[Engine], request: Request) -> int:
-    return request.req_id % len(engines)
+    # the request's turn, or the next GPU after it that is up
+    n = len(engines)
+    first = request.req_id % n
+    for k in range(n):
+        i = (first + k) % n
+        if engines[i].is_up(request.arrival_ns):
+            return i
+    return first
 
 
 ROUTERS: dict[str, Callable[[list[Engine], Request], int]] = {
@@ -122,7 +137,8 @@ class Fleet:
         sim_s = max(e.now_ns for e in self.engines) / NS
         return RunSummary(
             requests=sum(s.requests for s in sims), completed=sum(s.completed for s in sims),
-            failed=sum(s.failed for s in sims), ooms=sum(s.ooms for s in sims),
+            failed=sum(s.failed for s in sims), rejected=sum(s.rejected for s in sims),
+            unfinished=sum(s.unfinished for s in sims), ooms=sum(s.ooms for s in sims),
             preemptions=sum(s.preemptions for s in sims), ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),
             tpot_p50_s=pct(tpot, 50), tpot_p99_s=pct(tpot, 99),
             goodput_tokens_per_s=round(sum(e.goodput_tokens for e in self.engines) / sim_s, 3) if sim_s > 0 else 0.0,

@@ -21,13 +21,18 @@ delivery is cancelled while the flow is suspended during recovery, and still mar
 Tansu at worker start). Any seq gap is read back once; only batches the topic does not hold stay
 missing, and the core then marks the node unsynced until the next snapshot.
 
+Tansu 0.6 reports a partition's end offset as the base offset of its last record batch + 1, so
+Faust's table recovery misses the tail of the last batch; each round of checkpoints is therefore
+sealed with a one-record batch (``StreamsWorker.seal``).
+
 Ordering: outputs are sent as they are made; before a checkpoint is written every output sent so
 far is awaited (a checkpoint never gets ahead of the ticks its batches produced), and Faust flushes
 the producer before it commits offsets. Records are handled in chunks of up to ``max_records``.
 
 Topics Faust needs that Tansu will not auto-create are created by ``ensure_topics`` before the
-worker starts: kvguard's topics, the table changelog (as many partitions as the events topic,
-``cleanup.policy=compact``) and Faust's ``<app_id>-__assignor-__leader`` (1 partition).
+worker starts: kvguard's topics, the table changelog (as many partitions as the events topic;
+time retention, or compaction on request: see ``internal_topics``) and Faust's
+``<app_id>-__assignor-__leader`` (1 partition).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_APP_ID = "kvguard-streams"
 _OFFSET = struct.Struct("<q")
+_SEAL_KEY = b"S|"
 TABLE_NAME = "state"
 
 
@@ -57,16 +63,24 @@ def leader_topic_name(app_id: str) -> str:
     return f"{app_id}-__assignor-__leader"
 
 
-def internal_topics(settings, app_id: str = DEFAULT_APP_ID) -> dict[str, tuple[int, dict[str, str]]]:
-    """Faust's own topics: name -> (partitions, topic configs)."""
-    events = settings.topics.events.partitions
+def internal_topics(settings, app_id: str = DEFAULT_APP_ID, *,
+                    compact_changelog: bool = False) -> dict[str, tuple[int, dict[str, str]]]:
+    """Faust's own topics: name -> (partitions, topic configs).
+
+    The changelog is not compacted by default: on Tansu 0.6 a compacted topic lost live keys (a
+    partition holding two nodes' checkpoints kept only one of them), so it uses time retention
+    (the events topic's) instead. On Kafka, ``compact_changelog=True`` keeps it bounded by key.
+    """
+    events = settings.topics.events
+    policy = ({"cleanup.policy": "compact"} if compact_changelog
+              else {"cleanup.policy": "delete", "retention.ms": str(events.retention_ms)})
     return {
-        changelog_topic_name(app_id): (events, {"cleanup.policy": "compact"}),
+        changelog_topic_name(app_id): (events.partitions, policy),
         leader_topic_name(app_id): (1, {}),
     }
 
 
-async def ensure_topics(settings, app_id: str = DEFAULT_APP_ID) -> dict[str, str]:
+async def ensure_topics(settings, app_id: str = DEFAULT_APP_ID, *, compact_changelog: bool = False) -> dict[str, str]:
     """Create kvguard's topics and Faust's internal ones (idempotent); ``{name: created|exists}``."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
@@ -77,9 +91,10 @@ async def ensure_topics(settings, app_id: str = DEFAULT_APP_ID) -> dict[str, str
     await admin.start()
     try:
         existing = set(await admin.list_topics())
+        internal = internal_topics(settings, app_id, compact_changelog=compact_changelog)
         wanted = [NewTopic(name, num_partitions=n, replication_factor=1, topic_configs=configs)
-                  for name, (n, configs) in internal_topics(settings, app_id).items() if name not in existing]
-        for name in internal_topics(settings, app_id):
+                  for name, (n, configs) in internal.items() if name not in existing]
+        for name in internal:
             result[name] = "exists" if name in existing else "created"
         if wanted:
             response = await admin.create_topics(wanted)
@@ -177,8 +192,8 @@ class StreamsWorker:
         await self.publish(ticks, alerts)
         if due:  # a checkpoint must never get ahead of the outputs its batches produced
             await self.wait_outputs()
-            for node, partition in due.items():
-                self.checkpoint(node, partition)
+            await asyncio.gather(*(self.checkpoint(node, partition) for node, partition in due.items()))
+            await self.seal(set(due.values()))
 
     async def publish(self, ticks, alerts) -> None:
         """Send outputs; delivery is awaited before the next checkpoint (and Faust flushes the
@@ -200,15 +215,29 @@ class StreamsWorker:
             await asyncio.gather(*self.in_flight)
             self.in_flight = []
 
-    def checkpoint(self, node: str, partition: int) -> None:
-        """``C|<node>`` = the events offset of the node's last applied batch (8 bytes) + its state."""
+    def checkpoint(self, node: str, partition: int):
+        """``C|<node>`` = the events offset of the node's last applied batch (8 bytes) + its state.
+        Returns the changelog send's future."""
         value = _OFFSET.pack(self.last_offset[node]) + self.core.nodes[node].to_bytes()
         self.table.data[_node_key(b"C", node)] = value
-        # the changelog partition of the record that caused it (chunks have no single "current event")
-        self.table.send_changelog(partition, _node_key(b"C", node), value)
         self.checkpointed.add(node)
         self.ticks_since_checkpoint[node] = 0
         self.counters.checkpoints += 1
+        log.debug("checkpoint %s seq %s offset %d -> changelog partition %d", node, self.core.nodes[node].seq,
+                  self.last_offset[node], partition)
+        # the changelog partition of the record that caused it (chunks have no single "current event")
+        return self.table.send_changelog(partition, _node_key(b"C", node), value)
+
+    async def seal(self, partitions: set[int]) -> None:
+        """End each written changelog partition with a one-record batch (a tombstone).
+
+        Tansu 0.6 answers ListOffsets(latest) with the base offset of the partition's last
+        record batch + 1, not its last offset + 1, and Faust's table recovery reads only up to
+        that: checkpoints sharing the last batch would be skipped. Sent after the checkpoints
+        are delivered, the tombstone is a batch of its own, so every checkpoint precedes the end
+        offset the broker reports."""
+        await asyncio.gather(*(self.table.send_changelog(p, _SEAL_KEY, None, value_serializer="raw")
+                               for p in sorted(partitions)))
 
     def _applied(self, node: str, partition: int, offset: int, n_ticks: int, due: dict[str, int]) -> None:
         self.last_offset[node] = offset

@@ -28,8 +28,8 @@ import numpy as np
 from kvguard import pressure
 from kvguard.events import EventBatch, EventKind, Geometry
 from streams.alerts import Alert, AlertEvaluator, AlertThresholds, default_rules
-from streams.metrics import NS_PER_S, Candidate, Tick, least_squares_slope, percentiles, tick_features
-from streams.mirror import AllocatorMirror
+from streams.metrics import NS_PER_S, SINCE_OOM_CAP_S, Candidate, Tick, least_squares_slope, percentiles, tick_features
+from streams.mirror import LIFE_WAITING, AllocatorMirror
 from streams.predictor import DEFAULT_WINDOW_TICKS, FeatureHistory, Predictor, check_predictor
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class StreamConfig:
 
 
 _SNAPSHOT = int(K.SNAPSHOT)
+_OOM = int(K.OOM)
 
 
 class NodeState:
@@ -115,6 +116,8 @@ class NodeState:
         self.gaps = 0
         self.skipped_ticks = 0
         self.dropped_without_geometry = 0
+        self.last_oom_ns: int | None = None  # the node's last OOM event (for ``Tick.s_since_oom``)
+        self.resets = 0  # bumped whenever the mirror may have lost events: the predictor's state is stale
 
     # ---------------------------------------------------------------- batches
     def accept(self, batch: EventBatch, last_seq: int | None = None) -> list[Tick]:
@@ -158,6 +161,9 @@ class NodeState:
             return
         state = batch.state if start <= last_snap < stop else None
         self.mirror.apply(events[start:stop], state)
+        oom = np.flatnonzero(events["kind"][start:stop] == _OOM)
+        if oom.size:
+            self.last_oom_ns = int(events["ts_ns"][start + int(oom[-1])])
         self.events_since_tick += stop - start
 
     def _check_sequence(self, batch: EventBatch) -> bool:
@@ -167,7 +173,7 @@ class NodeState:
                                           alpha=self.config.alpha, beta=self.config.beta)
             self._mark[:] = 0
             if not (self.epoch is None and batch.seq == 0):
-                self.mirror.mark_unsynced(f"node {self.node}: new geometry at epoch {batch.epoch} seq {batch.seq}")
+                self._unsynced(f"node {self.node}: new geometry at epoch {batch.epoch} seq {batch.seq}")
         first = self.epoch is None
         if not first and batch.epoch == self.epoch and batch.seq <= self.seq:
             self.duplicates += 1
@@ -177,15 +183,19 @@ class NodeState:
             return False
         if self.mirror is not None:
             if first and batch.seq != 0:
-                self.mirror.mark_unsynced(f"node {self.node}: first batch seen has seq {batch.seq}")
+                self._unsynced(f"node {self.node}: first batch seen has seq {batch.seq}")
             elif not first and batch.epoch != self.epoch:
                 self.gaps += 1
-                self.mirror.mark_unsynced(f"node {self.node}: new producer epoch {batch.epoch}")
+                self._unsynced(f"node {self.node}: new producer epoch {batch.epoch}")
             elif not first and batch.seq != self.seq + 1:
                 self.gaps += 1
-                self.mirror.mark_unsynced(f"node {self.node}: seq gap {self.seq} -> {batch.seq}")
+                self._unsynced(f"node {self.node}: seq gap {self.seq} -> {batch.seq}")
         self.epoch, self.seq = batch.epoch, batch.seq
         return True
+
+    def _unsynced(self, reason: str) -> None:
+        self.mirror.mark_unsynced(reason)
+        self.resets += 1
 
     # ---------------------------------------------------------------- ticks
     def flush(self, now_ns: int) -> list[Tick]:
@@ -239,6 +249,12 @@ class NodeState:
         ub = g.unit_bytes
         events = self.events_since_tick
         self.events_since_tick = 0
+        # waiting queue: requests whose last lifecycle event is ARRIVE/PREEMPT and that hold no page
+        # (the mirror's lifecycle array is row-aligned with the request table; it has no public getter)
+        life = m._life[:len(table.req)]
+        waiting = int(np.count_nonzero((life == LIFE_WAITING) & ~holding)) if life.size else 0
+        since_oom = SINCE_OOM_CAP_S if self.last_oom_ns is None else min(
+            SINCE_OOM_CAP_S, max(0.0, (ts_ns - self.last_oom_ns) / NS_PER_S))
         tick = Tick(
             node=self.node, ts_ns=ts_ns, tick_s=cfg.tick_s, synced=m.synced,
             u_kv=pm.u_kv, f_ext=pm.f_ext, f_int=pm.f_int, psi=pm.psi, slope_per_min=slope,
@@ -259,7 +275,7 @@ class NodeState:
             evicted_pages=evicted_pages, evicted_requests=evicted_requests, evicted_tokens=evicted_tokens,
             preemptions=preemptions, ooms=ooms, tokens_per_s=step_tokens / cfg.tick_s,
             decode_tokens_per_s=decode_tokens / cfg.tick_s, events=events,
-            candidates=self._candidates(table, holding),
+            candidates=self._candidates(table, holding), requests_waiting=waiting, s_since_oom=since_oom,
         )
         self.features.push(tick_features(tick))
         if len(table.req) > 4096:
@@ -307,6 +323,7 @@ class NodeState:
             "events_since_tick": self.events_since_tick, "duplicates": self.duplicates,
             "gaps": self.gaps, "skipped_ticks": self.skipped_ticks,
             "dropped_without_geometry": self.dropped_without_geometry,
+            "last_oom_ns": self.last_oom_ns, "resets": self.resets,
             "geometry": None if self.mirror is None else self.mirror.geometry.to_dict(),
         }
         arrays = {"header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
@@ -334,6 +351,7 @@ class NodeState:
         st.events_since_tick = h["events_since_tick"]
         st.duplicates, st.gaps = h["duplicates"], h["gaps"]
         st.skipped_ticks, st.dropped_without_geometry = h["skipped_ticks"], h["dropped_without_geometry"]
+        st.last_oom_ns, st.resets = h.get("last_oom_ns"), int(h.get("resets", 0))
         if h["geometry"] is not None:
             st.mirror = AllocatorMirror.from_state_arrays(
                 Geometry.from_dict(h["geometry"]),
@@ -346,9 +364,17 @@ class StreamCore:
     """Per-node stream state for every node it sees; ``process``/``process_many`` return the ticks
     and alerts the batches cause, in order per node."""
 
-    def __init__(self, config: StreamConfig | None = None, predictor: Predictor | None = None):
+    def __init__(self, config: StreamConfig | None = None, predictor: Predictor | None = None, *,
+                 stateful: bool | None = None):
+        """``stateful``: score with the predictor's ``prime``/``step``/``forget`` (one LSTM step per
+        node per tick) instead of ``predict`` over full windows; None = whenever the predictor has them."""
         self.config = config or StreamConfig()
         self.predictor = predictor
+        has_steps = all(callable(getattr(predictor, name, None)) for name in ("prime", "step", "forget"))
+        if stateful and not has_steps:
+            raise StreamConfigError("stateful", stateful, "a predictor with prime(), step() and forget()")
+        self.stateful = has_steps if stateful is None else bool(stateful)
+        self._primed: dict[str, int] = {}  # node -> NodeState.resets when its predictor state was primed
         if predictor is not None:
             check_predictor(predictor)
             if predictor.window_ticks > self.config.window_ticks:
@@ -400,16 +426,51 @@ class StreamCore:
                 produced.append((st, tick, self._window(st, len(ticks) - 1 - i)))
         return self._finish(produced)
 
-    def _window(self, st: NodeState, lag: int) -> np.ndarray | None:
-        """The predictor's window for the tick ``lag`` ticks before the node's newest."""
+    def _window(self, st: NodeState, lag: int):
+        """The predictor's input for the tick ``lag`` ticks before the node's newest: its full window
+        (``predict``, or ``prime`` for a node without predictor state), else ``("step", features)``."""
         if self.predictor is None:
             return None
+        if self.stateful:
+            primed = self._primed.get(st.node)
+            if primed == st.resets:
+                return ("step", st.features.window(1, lag)[0])
+            if primed is not None:  # the mirror lost events (gap, new epoch/geometry): start over
+                self.predictor.forget(st.node)
+            self._primed[st.node] = st.resets
+            return ("prime", st.features.window(self.predictor.window_ticks, lag))
         return st.features.window(self.predictor.window_ticks, lag)
+
+    def _score_stateful(self, produced) -> tuple[list[float], list]:
+        """Prime/step in rounds so each node advances once per call of the predictor, in tick order."""
+        p_out: list[float] = [0.0] * len(produced)
+        traj_out: list = [None] * len(produced)
+        rounds: list[list[int]] = []
+        seen: dict[str, int] = {}
+        for i, (st, _, _) in enumerate(produced):
+            k = seen.get(st.node, 0)
+            seen[st.node] = k + 1
+            if k == len(rounds):
+                rounds.append([])
+            rounds[k].append(i)
+        for members in rounds:
+            for how in ("prime", "step"):
+                idx = [i for i in members if produced[i][2][0] == how]
+                if not idx:
+                    continue
+                nodes = [produced[i][0].node for i in idx]
+                x = np.stack([produced[i][2][1] for i in idx])
+                p, traj = (self.predictor.prime if how == "prime" else self.predictor.step)(nodes, x)
+                for j, i in enumerate(idx):
+                    p_out[i], traj_out[i] = float(p[j]), traj[j]
+        return p_out, traj_out
 
     def _finish(self, produced) -> tuple[list[Tick], list[Alert]]:
         if self.predictor is not None and produced:
-            windows = np.stack([w for _, _, w in produced])
-            p_oom, traj = self.predictor.predict(windows)
+            if self.stateful:
+                p_oom, traj = self._score_stateful(produced)
+            else:
+                p_oom, traj = self.predictor.predict(np.stack([w for _, _, w in produced]))
             for i, (_, tick, _) in enumerate(produced):
                 tick.p_oom = float(p_oom[i])
                 tick.u_kv_forecast = [float(x) for x in np.asarray(traj[i]).ravel()]

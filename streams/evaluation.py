@@ -29,6 +29,7 @@ import numpy as np
 NS_PER_S = 1_000_000_000
 DEFAULT_HORIZON_S = 300.0
 DEFAULT_ISOLATION_S = 600.0
+MIN_CLASS_TICKS = 30  # fewer positive or negative ticks than this: AUC/recall are withheld (noise)
 
 
 def labels_for_ticks(ts_ns: np.ndarray, oom_ts_ns: np.ndarray, horizon_s: float = DEFAULT_HORIZON_S) -> np.ndarray:
@@ -224,18 +225,28 @@ class EvaluationResult:
         def clean(x: float) -> float | None:
             return None if x is None or not np.isfinite(x) else round(float(x), 4)
 
+        negatives = self.ticks - self.positives
+        enough = min(self.positives, negatives) >= MIN_CLASS_TICKS
         return {
-            "auc": clean(self.auc),
-            "recall_at_fpr_5pct": clean(self.recall_at_fpr_5pct),
-            "threshold_at_fpr_5pct": clean(self.threshold_at_fpr_5pct),
+            "auc": clean(self.auc) if enough else None,
+            "recall_at_fpr_5pct": clean(self.recall_at_fpr_5pct) if enough else None,
+            "threshold_at_fpr_5pct": clean(self.threshold_at_fpr_5pct) if enough else None,
+            "auc_valid": enough,
+            "auc_note": None if enough else (
+                f"AUC/recall withheld: {self.positives} positive and {negatives} negative ticks "
+                f"(need >= {MIN_CLASS_TICKS} of each); raw AUC {clean(self.auc)}"),
             "ticks": self.ticks,
             "positive_ticks": self.positives,
+            "negative_ticks": negatives,
             "ooms": self.ooms,
             "node_hours": round(self.node_hours, 4),
             "lead_time_median_s": {k: clean(v) for k, v in self.lead_time_median_s().items()},
             "lead_time_recall": {k: clean(v) for k, v in self.recall_by_tier().items()},
             "isolated_ooms": int(np.sum(self.isolated)),
             "isolated_lead_time_median_s": {k: clean(v) for k, v in self.isolated_lead_time_median_s().items()},
+            "isolated_lead_time_recall": {
+                k: clean(float(np.mean(np.asarray(v)[np.asarray(self.isolated, bool)] > 0)))
+                if any(self.isolated) else None for k, v in self.lead_times_s.items()},
             "false_alarms_per_hour": {k: clean(v) for k, v in self.false_alarms_per_hour().items()},
             "alarm_episodes": dict(self.alarm_episodes),
             "at_operating_threshold": self.operating_point,

@@ -56,13 +56,21 @@ class ModelFeatureMismatch(ModelError):
                          + ". Retrain with `kvguard dataset` + `kvguard train`.")
 
 
+Z_CLIP = 10.0  # |z| beyond this is out of the training range: clipped, never extrapolated
+MIN_STD = 1e-3  # a feature whose training std is below this carried no information: fed as 0
+
+
 @dataclass(slots=True)
 class Normalisation:
-    """x' = (f(x) - mean) / std per feature, where f is log1p for heavy-tailed counts, else identity."""
+    """x' = clip((f(x) - mean) / std, -z_clip, z_clip) per feature, where f is log1p for heavy-tailed
+    counts, else identity. Features constant in training (std < ``MIN_STD``) are ``inactive``: always
+    0, so a value never seen in training (an eviction in a guarded run) cannot become a z of 1000s."""
 
     log1p: list[bool]
     mean: list[float]
     std: list[float]
+    active: list[bool] | None = None  # None (older artifacts): every feature active
+    z_clip: float | None = None  # None (older artifacts): no clipping
 
     @classmethod
     def fit(cls, features: np.ndarray) -> "Normalisation":
@@ -72,15 +80,22 @@ class Normalisation:
         log1p = [bool(col.min() >= 0 and np.percentile(col, 99) > 1000.0) for col in x.T]
         xt = np.where(np.array(log1p), np.log1p(np.maximum(x, 0.0)), x)
         mean = xt.mean(axis=0)
-        std = np.maximum(xt.std(axis=0), 1e-3)
-        return cls(log1p=log1p, mean=mean.tolist(), std=std.tolist())
+        raw_std = xt.std(axis=0)
+        std = np.maximum(raw_std, MIN_STD)
+        return cls(log1p=log1p, mean=mean.tolist(), std=std.tolist(), active=(raw_std >= MIN_STD).tolist(),
+                   z_clip=Z_CLIP)
 
     def apply(self, features: np.ndarray) -> np.ndarray:
         x = np.asarray(features, dtype=np.float32)
         x = np.where(np.isfinite(x), x, 0.0)
         mask = np.asarray(self.log1p, dtype=bool)
         x = np.where(mask, np.log1p(np.maximum(x, 0.0)), x)
-        return ((x - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)).astype(np.float32)
+        z = (x - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+        if self.z_clip is not None:
+            z = np.clip(z, -self.z_clip, self.z_clip)
+        if self.active is not None:
+            z = np.where(np.asarray(self.active, dtype=bool), z, 0.0)
+        return z.astype(np.float32)
 
 
 @dataclass(slots=True)
@@ -116,8 +131,8 @@ class ModelMetadata:
         except (KeyError, TypeError) as exc:
             raise ModelError(f"{path}: malformed metadata: {exc}") from exc
         n = len(meta.feature_names)
-        for name in ("log1p", "mean", "std"):
-            if len(getattr(norm, name)) != n:
+        for name in ("log1p", "mean", "std", "active"):
+            if getattr(norm, name) is not None and len(getattr(norm, name)) != n:
                 raise ModelError(f"{path}: normalisation.{name} has {len(getattr(norm, name))} entries, "
                                  f"feature_names has {n}")
         if not 0.0 <= meta.threshold <= 1.0:
@@ -236,6 +251,26 @@ class LSTMPredictor:
         x = torch.from_numpy(self.metadata.normalisation.apply(w[:, -self.window_ticks:]))
         with torch.inference_mode():
             logits, traj, _ = self.net(x)
+        return self._outputs(logits[:, -1], traj[:, -1], w[:, -1, self._u_col])
+
+    def prime(self, nodes: list[str], windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Set each node's state from a full window [n, T, F] (what ``predict`` scores, from a zero
+        state) and return ``predict``'s outputs; later ticks go through ``step``. The stream core
+        primes a node it has no state for (first tick, restored from the changelog, after a resync)."""
+        w = np.asarray(windows, dtype=np.float32)
+        if w.ndim != 3 or w.shape[0] != len(nodes) or w.shape[2] != len(self.metadata.feature_names):
+            raise ValueError(f"windows must be [{len(nodes)}, T, {len(self.metadata.feature_names)}], "
+                             f"got {list(w.shape)}")
+        if not nodes:
+            return np.zeros(0, np.float32), np.zeros((0, self.horizon_ticks), np.float32)
+        w = w[:, -self.window_ticks:]
+        rows = self._rows_for(nodes)
+        idx = torch.from_numpy(rows)
+        with torch.inference_mode():
+            logits, traj, (h, c) = self.net(torch.from_numpy(self.metadata.normalisation.apply(w)))
+            self._h[:, idx] = h
+            self._c[:, idx] = c
+        self._ages[rows] = w.shape[1]
         return self._outputs(logits[:, -1], traj[:, -1], w[:, -1, self._u_col])
 
     def step(self, nodes: list[str], features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

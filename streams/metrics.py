@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 NS_PER_S = 1_000_000_000
+SINCE_OOM_CAP_S = 1800.0  # "time since the last OOM" saturates here (also: no OOM seen yet)
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,6 +89,8 @@ class Tick:
     p_oom: float | None = None
     u_kv_forecast: list[float] | None = None
     candidates: list[Candidate] = field(default_factory=list)
+    requests_waiting: int = 0  # arrived, not admitted (or preempted back), not finished, at ts_ns
+    s_since_oom: float = SINCE_OOM_CAP_S  # seconds since the node's last OOM before ts_ns, capped
 
     @property
     def ts_s(self) -> float:
@@ -165,6 +168,8 @@ FEATURE_NAMES: tuple[str, ...] = (
     "ooms",
     "log_tokens_per_s",
     "log_decode_tokens_per_s",
+    "log_requests_waiting",
+    "since_oom_frac",
 )
 
 
@@ -172,6 +177,8 @@ def tick_features(tick: Tick) -> np.ndarray:
     """The predictor's feature vector for one tick (float32, order of ``FEATURE_NAMES``).
 
     Fractions stay in [0, 1]-ish; counts and rates go through log1p so no feature dwarfs the rest.
+    ``since_oom_frac`` is the time since the node's last OOM over ``SINCE_OOM_CAP_S`` (1 = calm for
+    at least that long, or no OOM seen).
     """
     d = max(tick.dynamic_units, 1)
     return np.array(
@@ -196,6 +203,8 @@ def tick_features(tick: Tick) -> np.ndarray:
             float(tick.ooms > 0),
             np.log1p(tick.tokens_per_s),
             np.log1p(tick.decode_tokens_per_s),
+            np.log1p(tick.requests_waiting),
+            min(max(tick.s_since_oom, 0.0), SINCE_OOM_CAP_S) / SINCE_OOM_CAP_S,
         ],
         dtype=np.float32,
     )

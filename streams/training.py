@@ -259,7 +259,7 @@ def train(ds: TickDataset, config: TrainConfig = TrainConfig(), *,
     threshold = float(min(max(threshold, 1e-4), 1.0))
     metrics = {"pos_weight": round(pos_weight, 3)}
     for name, ids, scores in (("validation", calib_ids, calib_scores),
-                              ("held_out", test_ids, score_dataset(net, ds, test_ids, norm, config.chunk_ticks,
+                              ("held_out", test_ids, score_dataset(net, ds, test_ids, norm, config.window_ticks,
                                                                    config.score_mode) if test_ids else [])):
         if ids:
             result = evaluate_traces(traces_for(ds, ids, scores, threshold, config.resolve_after_s),

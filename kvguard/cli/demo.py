@@ -6,8 +6,19 @@ advances, its event batches go through the stream core (ticks, alerts, P(OOM)), 
 through the policy (commands), each command through its node's actuator (verify, apply once,
 execute, ack), and only then the next tick. The in-process bus carries ticks, alerts, commands
 and acks with Kafka's topic/key/partition semantics. With ``--bus kafka://…`` the same parts run
-as concurrent services over the broker (and ``--redis`` puts the budget ledger in Redis); the
-baseline (the bare engine, which needs no bus) still runs embedded.
+as concurrent services over the broker (on run-private topics ``kvguard-demo-<run>.*``, deleted
+at the end unless ``--keep-topics``); the baseline (the bare engine, which needs no bus) still
+runs embedded.
+
+Ledgers: the guarded run debits the fragmentation budget and records the SLO ledger (prediction
+outcomes at the operating threshold, OOMs with per-tier lead times, evictions and what became of
+the evicted requests) — in memory, or in Redis with ``--redis``. Simulated time starts at the
+epoch, so every run's ticks fall in week 1970-W01 and are idempotent per (node, tick time): with
+``--redis`` (or ``--bus``) the node ids carry a random run id, ``demo-<run>/gpu<i>``, so that two
+runs never merge (``kvguard budget status --node demo-<run>/gpu0`` reads one). The embedded
+in-memory demo keeps ``sim-0/gpu<i>`` and is deterministic for a seed. Ledger outages are logged
+on stderr, their figures are in ``--json`` under ``ledger``, and the exit status is 3 when
+writes were still unstored at the end.
 
 Where the gain comes from on the bundled stress: the baseline engine fills its KV region to a 1 %
 watermark, a burst of long prompts takes the last free units within one tick, and a step's
@@ -119,9 +130,11 @@ def demo_workload(profile: Any, *, workload: str, rate_scale: float, duration_s:
 
 
 async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: float, seed: int, guarded: bool,
-                       view: LiveView | None = None, progress: Any = None) -> RunResult:
-    """One deterministic run; ``guarded`` closes the loop (policy + actuators)."""
-    from kvguard.bootstrap import make_ledger
+                       view: LiveView | None = None, progress: Any = None, host: str = "sim-0") -> RunResult:
+    """One deterministic run; ``guarded`` closes the loop (policy + actuators). Node ids are
+    ``<host>/gpu<i>``; the guarded run records in the graph's budget and SLO ledgers (in memory
+    when the graph has none)."""
+    from kvguard.bootstrap import make_ledger, make_slo_ledger
     from kvguard.bus.inproc import InprocBus
     from kvguard.schemas import make_headers
     from producers.engine import NS
@@ -130,12 +143,16 @@ async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: fl
     settings = graph.settings
     topics = settings.topics
     bus = InprocBus.from_settings(settings)
-    fleet = graph.fleet(n_gpus, seed=seed)
+    fleet = graph.fleet(n_gpus, seed=seed, host=host)
     fleet.submit_workload(workload)
     engines = {e.node: e for e in fleet.engines}
     core = graph.stream_core()
     ledger = graph.ledger if graph.ledger is not None else make_ledger(settings)
-    service = graph.policy_service(bus=bus, ledger=ledger) if guarded else None
+    slo = None
+    if guarded:
+        slo = graph.slo_recorder(graph.slo_ledger if graph.slo_ledger is not None else make_slo_ledger(settings),
+                                 confirm_with_acks=True)
+    service = graph.policy_service(bus=bus, ledger=ledger, slo=slo) if guarded else None
     actuators = graph.actuators(fleet.engines) if guarded else {}
     commands_sub = bus.subscribe([topics.name("commands")], "kvguard-actuators")
     result = RunResult("guarded" if guarded else "baseline", {})
@@ -148,7 +165,10 @@ async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: fl
     while t < end_ns:
         t = min(t + tick_ns, end_ns)
         fleet.advance(t)
-        ticks, alerts = core.process_many(fleet.take_batches(t))
+        batches = fleet.take_batches(t)
+        if slo is not None:
+            slo.observe_batches(batches)
+        ticks, alerts = core.process_many(batches)
         more_ticks, more_alerts = core.flush(t)
         ticks += more_ticks
         alerts += more_alerts
@@ -169,6 +189,8 @@ async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: fl
                 node = record.key.decode()
                 ack = actuators[node].handle_record(record.value, engines[node].now_ns)
                 if ack is not None:
+                    if slo is not None:
+                        slo.observe_ack(ack)
                     actions[node][f"{ack.action}:{ack.outcome.value}"] += 1
                     bus.append(topics.name("acks"), node, ack.to_bytes(), make_headers("acks", node))
                 await record.commit()
@@ -182,9 +204,14 @@ async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: fl
         if progress is not None:
             progress(t / NS, end_ns / NS)
     await commands_sub.close()
+    if slo is not None:
+        slo.observe_batches(fleet.take_batches(end_ns))
+        slo.finish(end_ns)
     result.wall_seconds = round(time.perf_counter() - wall0, 3)
     result.actions = actions
     result.summary = run_summary(fleet, result, service, actuators, graph)
+    if slo is not None:
+        result.summary["kvguard"]["slo"] = slo.counters.as_dict()
     return result
 
 
@@ -206,6 +233,7 @@ def run_summary(fleet: Any, result: RunResult, service: Any, actuators: dict, gr
                 counters[k] += v
         out["kvguard"] = {
             "policy": service.engine.counters.as_dict(),
+            "budget_unavailable_ticks": service.budget_errors,
             "actuators": counters,
             "acks": dict(sorted(total.items())),
             "mode_changes": [c.to_dict() for c in service.mode_changes],
@@ -262,25 +290,36 @@ def demo(
     duration: str = typer.Option("", "--duration", help="Simulated duration (e.g. 30m); overrides --quick."),
     profile: str = typer.Option(None, "--profile", help="Model/GPU profile (default: the profiles file's)."),
     seed: int = typer.Option(0, "--seed"),
-    report: Path = typer.Option(Path("kvguard-report"), "--report", help="Directory for the report and plots."),
+    report: Path = typer.Option(Path("kvguard-report"), "--report", help="Directory for the report and plots "
+                                                                         "(its path is printed on stderr)."),
     no_report: bool = typer.Option(False, "--no-report", help="Do not write the report."),
     no_lstm: bool = typer.Option(False, "--no-lstm", help="Run without the LSTM tier."),
     bus: str = typer.Option(None, "--bus", help="kafka://HOST:PORT runs the parts as services over Kafka."),
-    redis: str = typer.Option(None, "--redis", help="redis://… puts the budget ledger in Redis."),
+    redis: str = typer.Option(None, "--redis", help="redis://… puts the budget and SLO ledgers in Redis (node ids "
+                                                     "then carry a run id: demo-<run>/gpu<i>)."),
     speed: float = typer.Option(10.0, "--speed", min=0.1, help="With --bus: simulated seconds per wall second."),
+    keep_topics: bool = typer.Option(False, "--keep-topics", help="With --bus: keep the run's kvguard-demo-<run>.* "
+                                                                  "topics (default: deleted at the end)."),
     config: Path = typer.Option(None, "--config", help="Settings file (TOML/JSON)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
-    """Run a stressing workload twice — baseline engine, then kvguard's closed loop — and compare."""
+    """Run a stressing workload twice — baseline engine, then kvguard's closed loop — and compare.
+
+    Exit status 3 when ledger writes could not be stored in Redis by the end of the run (an
+    outage that outlasted it); the figures are printed all the same.
+    """
     import logging
+    import secrets
 
     from rich.console import Console
 
-    from kvguard.bootstrap import bootstrap
+    from kvguard.bootstrap import bootstrap, make_ledger, make_slo_ledger
     from kvguard.cli.simulate import parse_duration
     from kvguard.settings import ConfigError, Settings
 
-    logging.basicConfig(level=logging.ERROR)
+    logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for name in LOUD_LOGGERS:  # outages and retries are the demo's business to show (on stderr)
+        logging.getLogger(name).setLevel(logging.WARNING)
     console = Console(stderr=True)
     duration_s = parse_duration(duration) if duration else (QUICK_DURATION_S if quick else DEMO_DURATION_S)
     if rate_scale is None:
@@ -291,97 +330,156 @@ def demo(
     except (ConfigError, ValueError) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
+    # A shared ledger (Redis) or broker outlives the run: the run's node ids carry a run id so that
+    # another run's debits (idempotent per node and tick, and simulated time starts at 0) never
+    # merge with this one's. The embedded in-memory run keeps sim-0 (deterministic for a seed).
+    run_id = secrets.token_hex(4) if (redis or bus) else None
+    host = f"demo-{run_id}" if run_id else "sim-0"
     wl = demo_workload(graph.profile, workload=workload, rate_scale=rate_scale, duration_s=duration_s, seed=seed)
     console.print(f"kvguard demo: {len(wl.requests)} requests ({workload} ×{rate_scale:g}, "
-                  f"{duration_s / 60:.0f} min) on {gpus} × {graph.profile.name}; {graph.predictor_note}")
+                  f"{duration_s / 60:.0f} min) on {gpus} × {graph.profile.name}; {graph.predictor_note}"
+                  + (f"; run {run_id}, nodes {host}/gpu0…" if run_id else ""))
     live = not json_out and console.is_terminal
-    if bus:
-        baseline = _run(graph, wl, gpus, duration_s, seed, False, live, console)
-        console.print(f"closed loop over {bus} ({'redis' if redis else 'in-memory'} budget ledger) at "
-                      f"{speed:g}× real time: about {duration_s / speed:.0f} s")
-        try:
-            guarded = asyncio.run(run_over_bus(graph, wl, bus=bus, redis=redis, n_gpus=gpus,
-                                               duration_s=duration_s, seed=seed, speed=speed))
-        except Exception as err:  # broker or redis unreachable: say which, do not dump a traceback
-            console.print(f"[red]error:[/red] {type(err).__name__}: {err}")
-            raise typer.Exit(1) from None
-    else:
-        if redis:
-            from kvguard.bootstrap import make_ledger
-
-            graph.ledger = make_ledger(settings, redis)
-        baseline = _run(graph, wl, gpus, duration_s, seed, False, live, console)
-        guarded = _run(graph, wl, gpus, duration_s, seed, True, live, console)
+    graph.ledger = make_ledger(settings, redis)
+    graph.slo_ledger = make_slo_ledger(settings, redis)
+    try:
+        baseline = _run(graph, wl, gpus, duration_s, seed, False, live, console, host)
+        if bus:
+            console.print(f"closed loop over {bus} ({'redis' if redis else 'in-memory'} ledgers) at "
+                          f"{speed:g}× real time: about {duration_s / speed:.0f} s")
+            try:
+                guarded = asyncio.run(run_over_bus(graph, wl, bus=bus, n_gpus=gpus, duration_s=duration_s,
+                                                   seed=seed, speed=speed, run_id=run_id, keep_topics=keep_topics))
+            except Exception as err:  # broker unreachable: say which, do not dump a traceback
+                console.print(f"[red]error:[/red] {type(err).__name__}: {err}")
+                raise typer.Exit(1) from None
+        else:
+            guarded = _run(graph, wl, gpus, duration_s, seed, True, live, console, host)
+        ledgers, lost = ledger_summary(graph.ledger, graph.slo_ledger, redis)
+    finally:
+        graph.ledger.close()
+        graph.slo_ledger.close()
     result = compare(baseline.summary, guarded.summary)
     result["workload"] = {"name": workload, "rate_scale": rate_scale, "duration_s": duration_s, "seed": seed,
                           "requests": len(wl.requests), "notes": wl.notes}
     result["profile"] = graph.profile.name
     result["mode"] = "kafka" if bus else "embedded"
+    result["run_id"] = run_id
+    result["nodes"] = [f"{host}/gpu{i}" for i in range(gpus)]
+    result["ledger"] = ledgers
+    # what the run's own ticks say the budget ledger should hold (F_ext above the line, per node)
+    line, tick_s = settings.budget.f_ext_threshold, settings.streams.tick_s
+    ledgers["ticks"] = {node: {"ticks": len(rows), "over_threshold_s": tick_s * sum(1 for r in rows if r[2] > line)}
+                        for node, rows in sorted(guarded.series.items())}
     if not no_report:
         from kvguard.demo_report import write_report
 
         path = write_report(report, result, baseline, guarded)
         result["report"] = str(path)
+    if lost:
+        console.print(f"[red]ledger:[/red] {lost}")
     if json_out:
         sys.stdout.write(json.dumps(result, default=str) + "\n")
     else:
         _print_comparison(result, console)
-        if not no_report:
-            console.print(f"report: {result['report']}")
+    if not no_report:
+        console.print(f"report: {result['report']}")
+    if lost:
+        raise typer.Exit(3)
 
 
-async def run_over_bus(graph: Any, workload: Any, *, bus: str, redis: str | None, n_gpus: int, duration_s: float,
-                       seed: int, speed: float) -> RunResult:
+# loggers whose warnings the demo shows although it logs at ERROR otherwise
+LOUD_LOGGERS = ("kvguard.budget", "policy.delivery", "policy.ledger", "actuators.actuator")
+
+
+def ledger_summary(ledger: Any, slo_ledger: Any, redis: str | None) -> tuple[dict, str | None]:
+    """Both ledgers' stats after a last flush and a read (is Redis reachable now?); the second
+    value says what could not be stored (None: everything was)."""
+    out: dict[str, Any] = {"backend": "redis" if redis else "memory"}
+    problems, lost = [], []
+    for name, led in (("budget", ledger), ("slo", slo_ledger)):
+        flushed = led.flush() if hasattr(led, "flush") else True
+        reachable_error = None
+        if redis:
+            try:
+                led.weeks()
+            except Exception as err:  # noqa: BLE001 - LedgerUnavailable names the (masked) URL
+                reachable_error = str(err)
+        stats = led.stats().to_dict() if hasattr(led, "stats") else {}
+        out[name] = stats
+        if stats.get("outages"):
+            problems.append(f"{name} ledger: {stats['outages']} Redis outage(s) during the run")
+        if not flushed or stats.get("buffered") or stats.get("dropped") or reachable_error:
+            lost.append(f"{reachable_error or name + ' ledger: Redis unreachable at the end of the run'} "
+                        f"({stats.get('buffered', 0)} write(s) still buffered, {stats.get('dropped', 0)} dropped)")
+    out["problems"] = problems + lost  # outages the run recovered from are listed, not fatal
+    return out, ("; ".join(lost) or None)
+
+
+async def run_over_bus(graph: Any, workload: Any, *, bus: str, n_gpus: int, duration_s: float, seed: int,
+                       speed: float, run_id: str | None = None, keep_topics: bool = False) -> RunResult:
     """The closed loop as concurrent services over a real bus: the node (engine, producer,
     actuators), the stream service and the policy service, each with its own consumer group.
+    The budget and SLO ledgers are the graph's (the caller opens and closes them).
 
-    The run gets its own topics (prefix ``kvguard-demo-<id>.``, created first: Tansu does not
-    auto-create) so that records of an earlier run are never read as this one's.
+    The run gets its own topics (prefix ``kvguard-demo-<run>.``, created first: Tansu does not
+    auto-create) so that records of an earlier run are never read as this one's; they are
+    deleted at the end unless ``keep_topics``. Node ids are ``demo-<run>/gpu<i>``.
     """
     import secrets
 
-    from kvguard.bootstrap import make_bus, make_ledger
+    from kvguard.bootstrap import make_bus
     from kvguard.cli.node import run_node
     from streams.embedded import StreamsService
 
-    run_id = secrets.token_hex(4)
+    run_id = run_id or secrets.token_hex(4)
     settings = graph.settings.model_copy(update={
         "topics": graph.settings.topics.model_copy(update={"prefix": f"kvguard-demo-{run_id}."})})
     graph.settings = settings
     carrier = make_bus(settings, bus)
-    if hasattr(carrier, "kafka"):
+    kafka = getattr(carrier, "kafka", None)
+    if kafka is not None:
         from kvguard.bus.kafka import create_topics
 
-        await create_topics(carrier.kafka, settings.topics.all())
-    ledger = make_ledger(settings, redis)
-    await carrier.start()
-    result = RunResult("guarded", {})
-    streams = StreamsService(carrier, settings, graph.predictor, group=f"kvguard-demo-{run_id}-streams")
-    service = graph.policy_service(bus=carrier, ledger=ledger)
-    handle = service.handle_tick
-
-    def observe(tick: dict):
-        result.series.setdefault(tick["node"], []).append(
-            (tick["ts_ns"] / 1e9, tick["u_kv"], tick["f_ext"], tick["psi"], tick.get("p_oom")))
-        if tick.get("ooms"):
-            result.oom_times.setdefault(tick["node"], []).append(tick["ts_ns"] / 1e9)
-        return handle(tick)
-
-    service.handle_tick = observe
-    stop = asyncio.Event()
-    acks: list = []
-    tasks = [asyncio.create_task(streams.run()),
-             asyncio.create_task(service.run(group=f"kvguard-demo-{run_id}-policy", stop=stop, poll_s=0.02))]
-    wall0 = time.perf_counter()
+        await create_topics(kafka, settings.topics.all())
     try:
-        summary = await run_node(graph, carrier, workload, n_gpus=n_gpus, duration_s=duration_s, speed=speed,
-                                 seed=seed, acks_out=acks)
+        await carrier.start()
+        result = RunResult("guarded", {})
+        streams = StreamsService(carrier, settings, graph.predictor, group=f"kvguard-demo-{run_id}-streams")
+        slo = graph.slo_recorder(confirm_with_acks=True)
+        service = graph.policy_service(bus=carrier, slo=slo)
+        handle = service.handle_tick
+        last_ts = {"ns": 0}
+
+        def observe(tick: dict):
+            result.series.setdefault(tick["node"], []).append(
+                (tick["ts_ns"] / 1e9, tick["u_kv"], tick["f_ext"], tick["psi"], tick.get("p_oom")))
+            if tick.get("ooms"):
+                result.oom_times.setdefault(tick["node"], []).append(tick["ts_ns"] / 1e9)
+            last_ts["ns"] = max(last_ts["ns"], int(tick["ts_ns"]))
+            return handle(tick)
+
+        service.handle_tick = observe
+        stop = asyncio.Event()
+        acks: list = []
+        tasks = [asyncio.create_task(streams.run()),
+                 asyncio.create_task(service.run(group=f"kvguard-demo-{run_id}-policy", stop=stop, poll_s=0.02))]
+        wall0 = time.perf_counter()
+        try:
+            summary = await run_node(graph, carrier, workload, n_gpus=n_gpus, duration_s=duration_s, speed=speed,
+                                     seed=seed, host=f"demo-{run_id}", acks_out=acks,
+                                     on_ack=slo.observe_ack if slo else None,
+                                     on_batches=slo.observe_batches if slo else None)
+        finally:
+            stop.set()
+            streams.stop()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await carrier.stop()
+        if slo is not None:
+            slo.finish(last_ts["ns"])
     finally:
-        stop.set()
-        streams.stop()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await carrier.stop()
-        ledger.close()
+        if kafka is not None and not keep_topics:
+            await delete_run_topics(kafka, list(settings.topics.all()))
     result.wall_seconds = round(time.perf_counter() - wall0, 3)
     for ack in acks:
         result.actions.setdefault(ack.node, Counter())[f"{ack.action}:{ack.outcome.value}"] += 1
@@ -389,24 +487,50 @@ async def run_over_bus(graph: Any, workload: Any, *, bus: str, redis: str | None
     for c in result.actions.values():
         total.update(c)
     summary["kvguard"] = {"policy": service.engine.counters.as_dict(), "actuators": summary.pop("actuators", {}),
+                          "budget_unavailable_ticks": service.budget_errors,
                           "acks": dict(sorted(total.items())),
                           "mode_changes": [c.to_dict() for c in service.mode_changes],
-                          "predictor": graph.predictor_note, "bus": bus, "topic_prefix": settings.topics.prefix}
+                          "predictor": graph.predictor_note, "bus": bus, "topic_prefix": settings.topics.prefix,
+                          "topics_deleted": kafka is not None and not keep_topics,
+                          "slo": slo.counters.as_dict() if slo else None}
     result.summary = summary
     return result
 
 
-def _run(graph, wl, gpus, duration_s, seed, guarded, live, console) -> RunResult:
+async def delete_run_topics(kafka: Any, names: list[str]) -> bool:
+    """Delete the run's topics; a failure is logged (with the names to delete by hand), not raised."""
+    import logging
+
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from kvguard.bus.kafka import client_kwargs
+
+    admin = AIOKafkaAdminClient(**client_kwargs(kafka))
+    try:
+        await admin.start()
+        await admin.delete_topics(names)
+        return True
+    except Exception as err:  # noqa: BLE001 - cleanup must not hide the run's result
+        logging.getLogger("policy.delivery").warning(
+            "demo: could not delete the run's topics %s (%s: %s); delete them by hand", ", ".join(names),
+            type(err).__name__, err)
+        return False
+    finally:
+        await admin.close()
+
+
+def _run(graph, wl, gpus, duration_s, seed, guarded, live, console, host="sim-0") -> RunResult:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     label = "kvguard closed loop" if guarded else "baseline engine"
-    nodes = [f"sim-0/gpu{i}" for i in range(gpus)]
+    nodes = [f"{host}/gpu{i}" for i in range(gpus)]
     with LiveView(live, nodes, label) as view:
         if live:
             return asyncio.run(run_embedded(graph, wl, n_gpus=gpus, duration_s=duration_s, seed=seed,
-                                            guarded=guarded, view=view))
+                                            guarded=guarded, view=view, host=host))
         with Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} sim s"),
                       TimeElapsedColumn(), console=console, transient=True) as bar:
             task = bar.add_task(label, total=duration_s)
             return asyncio.run(run_embedded(graph, wl, n_gpus=gpus, duration_s=duration_s, seed=seed,
-                                            guarded=guarded, progress=lambda d, t: bar.update(task, completed=d)))
+                                            guarded=guarded, host=host,
+                                            progress=lambda d, t: bar.update(task, completed=d)))

@@ -30,7 +30,7 @@ def eval_command(
     rate_scale: list[float] = typer.Option([1.0], "--rate-scale", help="Arrival-rate multiplier (repeatable)."),
     profile: list[str] = typer.Option(["llama3-8b-24gb"], "--profile", help="GPU/model profile (repeatable)."),
     seed: list[int] = typer.Option([0], "--seed", help="Simulation seed (repeatable)."),
-    duration: float = typer.Option(3600.0, "--duration", help="Seconds of simulated time per run."),
+    duration: str = typer.Option("1h", "--duration", help="Simulated time per run, e.g. 30m, 90s, 1h, 3600."),
     gpus: int = typer.Option(1, "--gpus", help="GPUs per simulated fleet."),
     data: Path = typer.Option(None, "--data", help="Score a saved dataset offline instead of simulating."),
     split: str = typer.Option("test", "--split", help="With --data: which split to score."),
@@ -46,9 +46,11 @@ def eval_command(
     from streams.dataset import DatasetError, RunSpec, simulate_run
     from streams.evaluation import NodeTrace, evaluate_traces, plot_lead_times, plot_roc
     from streams.lstm import ModelError, load_model
+    from kvguard.cli.simulate import parse_duration
     from streams.metrics import FEATURE_NAMES
 
     console = Console(stderr=True)
+    duration_s = parse_duration(duration)
     try:
         predictor = load_model(model, expected_features=list(FEATURE_NAMES))
     except ModelError as exc:
@@ -63,7 +65,7 @@ def eval_command(
         if not workload:
             typer.echo("error: give --workload (or --data)", err=True)
             raise typer.Exit(2)
-        specs = [RunSpec(w, rate_scale=r, profile=p, seed=s, duration_s=duration, n_gpus=gpus, split="test")
+        specs = [RunSpec(w, rate_scale=r, profile=p, seed=s, duration_s=duration_s, n_gpus=gpus, split="test")
                  for w, r, p, s in itertools.product(workload, rate_scale, profile, seed)]
         with progress_bar(console) as bar:
             task = bar.add_task("evaluating", total=len(specs), info="")
@@ -79,6 +81,8 @@ def eval_command(
                 per_run = evaluate_traces(run_traces, horizon_s=meta.horizon_s).to_dict()
                 runs_out.append({"run": spec.key(), "in_training": _trained_on(meta, spec.workload),
                                  "engine": record.summary, "auc": per_run["auc"], "ooms": per_run["ooms"],
+                                 "positive_ticks": per_run["positive_ticks"],
+                                 "negative_ticks": per_run["negative_ticks"],
                                  "lead_time_median_s": per_run["lead_time_median_s"],
                                  "false_alarms_per_hour": per_run["false_alarms_per_hour"]})
                 bar.update(task, completed=i + 1, info=f"{spec.key()}: {per_run['ooms']} OOMs")

@@ -25,8 +25,10 @@ from kvguard.cli.app import app
 async def run_node(graph: Any, bus: Any, workload: Any, *, n_gpus: int, duration_s: float, speed: float,
                    seed: int = 0, host: str = "sim-0", actuate: bool = True, journal_dir: str | Path | None = None,
                    step_wall_s: float = 0.05, on_progress: Any = None, acks_out: list | None = None,
-                   on_ack: Any = None) -> dict:
-    """Run the node until ``duration_s`` of simulated time; returns the summary dict."""
+                   on_ack: Any = None, on_batches: Any = None) -> dict:
+    """Run the node until ``duration_s`` of simulated time; returns the summary dict.
+    ``on_ack(ack)`` sees each ack, ``on_batches(batches)`` each list of event batches published
+    (the demo reads the FINISH rows of evicted requests from them)."""
     from actuators.actuator import run_actuators
     from producers.engine import NS
     from producers.publisher import NodePublisher
@@ -36,7 +38,13 @@ async def run_node(graph: Any, bus: Any, workload: Any, *, n_gpus: int, duration
     fleet.submit_workload(workload)
     engines = {e.node: e for e in fleet.engines}
     clock = {"sim_ns": 0}
-    publisher = NodePublisher.from_settings(bus, settings, lambda: fleet.take_batches(clock["sim_ns"]))
+    def take_batches():
+        batches = fleet.take_batches(clock["sim_ns"])
+        if on_batches is not None and batches:
+            on_batches(batches)
+        return batches
+
+    publisher = NodePublisher.from_settings(bus, settings, take_batches)
     stop = asyncio.Event()
     actuators = graph.actuators(fleet.engines, journal_dir=journal_dir) if actuate else {}
     acks: list = acks_out if acks_out is not None else []

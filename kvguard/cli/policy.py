@@ -1,7 +1,8 @@
 """`kvguard policy`: the policy engine as a service on a bus.
 
-Consumes ``kvguard.metrics``, debits the fragmentation budget (Redis with ``--redis``, else in
-memory), decides, and publishes signed commands on ``kvguard.commands`` and mode changes and
+Consumes ``kvguard.metrics``, debits the fragmentation budget and records prediction outcomes,
+OOMs with per-tier lead times and evictions (at command time) in the SLO ledger (both in Redis with
+``--redis``, else in memory), decides, and publishes signed commands on ``kvguard.commands`` and mode changes and
 budget alerts on ``kvguard.alerts``. Runs until interrupted (or ``--max-seconds``).
 """
 
@@ -20,7 +21,7 @@ from kvguard.cli.app import app
 @app.command()
 def policy(
     bus: str = typer.Option(None, "--bus", help="kafka://HOST:PORT (default: kafka.bootstrap from settings)."),
-    redis: str = typer.Option(None, "--redis", help="redis://… for the budget ledger (default: in memory)."),
+    redis: str = typer.Option(None, "--redis", help="redis://… for the budget and SLO ledgers (default: in memory)."),
     profile: str = typer.Option(None, "--profile", help="Model/GPU profile of the nodes."),
     group: str = typer.Option("kvguard-policy", "--group", help="Consumer group."),
     max_seconds: float = typer.Option(None, "--max-seconds", help="Stop after this many wall seconds."),
@@ -31,7 +32,7 @@ def policy(
     import logging
     import signal
 
-    from kvguard.bootstrap import BootstrapError, bootstrap, make_bus, make_ledger
+    from kvguard.bootstrap import BootstrapError, bootstrap, make_bus, make_ledger, make_slo_ledger
     from kvguard.settings import ConfigError, Settings
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -39,8 +40,10 @@ def policy(
         settings = Settings.load(config)
         carrier = make_bus(settings, bus or f"kafka://{settings.kafka.bootstrap}")
         ledger = make_ledger(settings, redis)
-        graph = bootstrap(settings, bus=carrier, ledger=ledger, profile=profile, predictor=None,
-                          require_secret=True)
+        slo_ledger = make_slo_ledger(settings, redis)
+        # the SLO's operating threshold is predictor.threshold here (this process loads no model)
+        graph = bootstrap(settings, bus=carrier, ledger=ledger, slo_ledger=slo_ledger, profile=profile,
+                          predictor=None, require_secret=True)
     except (ConfigError, BootstrapError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
@@ -60,10 +63,16 @@ def policy(
             await service.run(group=group, stop=stop)
         finally:
             await carrier.stop()
-            ledger.close()
+            for led in (ledger, slo_ledger):
+                if hasattr(led, "flush"):
+                    led.flush()
+                led.close()
 
     asyncio.run(main())
     counters = {"ticks": service.ticks, "engine": service.engine.counters.as_dict(),
+                "slo": service.slo.counters.as_dict() if service.slo else None,
+                "ledger": {name: led.stats().to_dict() if hasattr(led, "stats") else {}
+                           for name, led in (("budget", ledger), ("slo", slo_ledger))},
                 "mode_changes": [c.to_dict() for c in service.mode_changes]}
     if json_out:
         sys.stdout.write(json.dumps(counters) + "\n")

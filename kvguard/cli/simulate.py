@@ -111,12 +111,12 @@ def _print_table(out: dict) -> None:
         console.print(f"  [dim]{note}[/]")
     table = Table(show_header=True, header_style="bold")
     table.add_column("node", no_wrap=True, min_width=10)
-    for col in ("req", "done", "failed", "OOM", "preempt", "TTFT p99", "TPOT p50", "goodput", "down s"):
+    for col in ("req", "done", "failed", "rejected", "OOM", "preempt", "TTFT p99", "TPOT p50", "goodput", "down s"):
         table.add_column(col, justify="right", no_wrap=True)
 
     def row(name, d):
         fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
-        table.add_row(name, fmt(d["requests"]), fmt(d["completed"]), fmt(d["failed"]), fmt(d["ooms"]),
+        table.add_row(name, fmt(d["requests"]), fmt(d["completed"]), fmt(d["failed"]), fmt(d["rejected"]), fmt(d["ooms"]),
                       fmt(d["preemptions"]), fmt(d["ttft_p99_s"]), fmt(d["tpot_p50_s"]),
                       fmt(d["goodput_tokens_per_s"]), fmt(d["downtime_s"]))
 
@@ -124,7 +124,10 @@ def _print_table(out: dict) -> None:
         row(d["node"], d)
     row("[bold]fleet[/]", out)
     console.print(table)
-    console.print("[dim]TTFT/TPOT in s, goodput in output tokens/s of completed requests[/]")
+    console.print("[dim]TTFT/TPOT in s, goodput in output tokens/s of completed requests; failed: lost in an OOM "
+                  "crash; rejected: refused (GPU restarting, or a prompt that could never fit)[/]")
+    if out["unfinished"]:
+        console.print(f"{out['unfinished']} requests were still queued or running when the run ended")
     console.print(f"{out['sim_seconds']:.0f} simulated s in {out['wall_seconds']:.1f} wall s "
                   f"({out['sim_speed_x']}x real time per GPU summed), {out['events']} events, "
                   f"{out['ooms_from_fragmentation']} of {out['ooms']} OOMs from fragmentation")

@@ -20,6 +20,8 @@ def worker(
                                                help="ticks of a node between state checkpoints"),
     create_topics: bool = typer.Option(True, "--create-topics/--no-create-topics",
                                        help="create kvguard's and Faust's topics first (Tansu has no auto-create)"),
+    compact_changelog: bool = typer.Option(False, "--compact-changelog/--no-compact-changelog",
+                                           help="create the state changelog compacted (Kafka; not Tansu 0.6)"),
     datadir: Path = typer.Option(None, "--datadir", help="Faust data directory (default: a temp dir)"),
     loglevel: str = typer.Option("warning", "--loglevel", help="debug, info, warning, error"),
 ) -> None:
@@ -59,7 +61,7 @@ def worker(
     asyncio.set_event_loop(loop)
     if create_topics:
         try:
-            loop.run_until_complete(ensure_topics(settings, app_id))
+            loop.run_until_complete(ensure_topics(settings, app_id, compact_changelog=compact_changelog))
         except Exception as exc:  # connection refused, auth, broker error: name the broker
             typer.echo(f"could not create topics on {settings.kafka.bootstrap}: {type(exc).__name__}: {exc}",
                        err=True)

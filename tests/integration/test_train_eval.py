@@ -73,7 +73,7 @@ def test_trained_artifact_records_features_normalisation_threshold_and_held_out_
 def test_eval_runs_engine_stream_and_all_three_tiers(model_dir, workdir):
     report = workdir / "report"
     result = CliRunner().invoke(app, ["eval", "--model", str(model_dir), "--workload", "azure-conv",
-                                      "--rate-scale", "0.5", "--duration", "600", "--report", str(report), "--json"])
+                                      "--rate-scale", "0.5", "--duration", "10m", "--report", str(report), "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout.strip().splitlines()[-1])
     for key in ("auc", "recall_at_fpr_5pct", "ooms", "lead_time_median_s", "false_alarms_per_hour"):
@@ -81,6 +81,10 @@ def test_eval_runs_engine_stream_and_all_three_tiers(model_dir, workdir):
     assert set(out["lead_time_median_s"]) == {"threshold", "slope", "lstm"}
     assert set(out["false_alarms_per_hour"]) == {"threshold", "slope", "lstm"}
     assert out["ooms"] > 0 and out["held_out"] is True
+    assert out["positive_ticks"] + out["negative_ticks"] == out["ticks"] == 60  # 10m of 10 s ticks
+    assert out["runs"][0]["negative_ticks"] == out["negative_ticks"]
+    if not out["auc_valid"]:
+        assert out["auc"] is None and "withheld" in out["auc_note"]
     for name in ("roc.png", "lead_times.png"):
         assert (report / name).read_bytes()[:4] == b"\x89PNG"
 

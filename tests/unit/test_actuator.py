@@ -94,8 +94,8 @@ def test_malformed_record_is_counted_not_raised():
     assert actuator.counters.malformed == 2
 
 
-class Crash(Exception):
-    pass
+class Crash(BaseException):
+    """The process dying (not an error the actuator could handle)."""
 
 
 class CrashAfterEffect(Executor):
@@ -156,3 +156,92 @@ async def test_restart_over_the_inproc_bus_redelivers_and_acks_the_duplicate(tmp
     records = await sub.getmany(timeout_s=0)
     assert [Ack.from_bytes(r.value).outcome for r in records] == [AckOutcome.DUPLICATE]
     assert records[0].key == NODE.encode()
+
+
+class RaisingExecutor(Executor):
+    """Applies the effect, then raises: an executor bug after a partial effect."""
+
+    def execute(self, command, now_ns):
+        super().execute(command, now_ns)
+        raise RuntimeError("executor bug")
+
+
+def test_execute_raising_is_acked_failed_and_a_redelivery_is_not_applied_again(tmp_path):
+    e = running_engine()
+    journal_path = tmp_path / "applied.journal"
+    actuator = Actuator(NODE, RaisingExecutor(e), SECRET, journal=AppliedJournal(journal_path))
+    ack = actuator.handle(evict_command(), e.now_ns)
+    assert ack.outcome is AckOutcome.FAILED and "RuntimeError: executor bug" in ack.errors[0]
+    assert actuator.counters.failed == 1
+    again = Actuator(NODE, Executor(e), SECRET, journal=AppliedJournal(journal_path)).handle(evict_command(), e.now_ns)
+    assert again.outcome is AckOutcome.DUPLICATE, "at most one application per id"
+
+
+async def test_run_actuators_survives_a_raising_execute_and_acks_every_command():
+    settings = Settings()
+    bus = InprocBus.from_settings(settings)
+    e = running_engine()
+    for position, req in enumerate((1, 2)):
+        await bus.publish(settings.topics.name("commands"), NODE, evict_command(req, position=position).to_bytes())
+    stop = asyncio.Event()
+    acks: list[Ack] = []
+
+    def collect(ack):
+        acks.append(ack)
+        if len(acks) == 2:
+            stop.set()
+
+    actuator = Actuator(NODE, RaisingExecutor(e), SECRET)
+    await asyncio.wait_for(run_actuators(bus, settings, {NODE: actuator}, node_time_ns=lambda n: e.now_ns,
+                                         group="act", stop=stop, on_ack=collect), timeout=5)
+    assert [a.outcome for a in acks] == [AckOutcome.FAILED, AckOutcome.FAILED]
+    records = await bus.subscribe([settings.topics.name("acks")], "reader").getmany(timeout_s=0)
+    assert [Ack.from_bytes(r.value).outcome for r in records] == [AckOutcome.FAILED, AckOutcome.FAILED]
+
+
+class FlakyBus:
+    """The in-process bus behind a broker outage: the first ``refuse`` publishes raise
+    SendBufferFull, the next ``fail`` deliveries fail; then it recovers."""
+
+    def __init__(self, inner, *, refuse=0, fail=0):
+        self.inner, self.refuse, self.fail = inner, refuse, fail
+
+    async def publish(self, topic, key, value, headers=()):
+        from kvguard.bus import SendBufferFull
+
+        if topic.endswith("dlq"):
+            return await self.inner.publish(topic, key, value, headers)
+        if self.refuse:
+            self.refuse -= 1
+            raise SendBufferFull(topic, 10, 10, 0.01)
+        if self.fail:
+            self.fail -= 1
+            future = asyncio.get_running_loop().create_future()
+            future.set_exception(ConnectionError("broker went away"))
+            return future
+        return await self.inner.publish(topic, key, value, headers)
+
+    def subscribe(self, topics, group):
+        return self.inner.subscribe(topics, group)
+
+
+async def test_acks_survive_a_broker_outage_before_the_commands_are_committed():
+    settings = Settings()
+    inner = InprocBus.from_settings(settings)
+    bus = FlakyBus(inner, refuse=2, fail=1)
+    e = running_engine()
+    await inner.publish(settings.topics.name("commands"), NODE, evict_command().to_bytes())
+    stop = asyncio.Event()
+    acks = await inner.subscribe([settings.topics.name("acks")], "reader").getmany(timeout_s=0)
+
+    async def until_acked():
+        reader = inner.subscribe([settings.topics.name("acks")], "reader2")
+        while not await reader.getmany(timeout_s=0.05):
+            pass
+        stop.set()
+
+    await asyncio.wait_for(asyncio.gather(
+        run_actuators(bus, settings, {NODE: make_actuator(e)}, node_time_ns=lambda n: e.now_ns, group="act",
+                      stop=stop), until_acked()), timeout=10)
+    records = await inner.subscribe([settings.topics.name("acks")], "reader3").getmany(timeout_s=0)
+    assert acks == [] and [Ack.from_bytes(r.value).outcome for r in records] == [AckOutcome.EXECUTED]

@@ -8,7 +8,7 @@ from producers.pool import PagedPool
 from producers.profiles import profile_from_dict
 from producers.workloads import Request, load_workload
 
-SUMMARY_FIELDS = ["requests", "completed", "failed", "ooms", "preemptions", "ttft_p50_s", "ttft_p99_s",
+SUMMARY_FIELDS = ["requests", "completed", "failed", "rejected", "unfinished", "ooms", "preemptions", "ttft_p50_s", "ttft_p99_s",
                   "tpot_p50_s", "tpot_p99_s", "goodput_tokens_per_s", "downtime_s", "sim_seconds", "events"]
 
 
@@ -50,7 +50,7 @@ def test_light_load_completes_everything_with_latency_figures():
     ev = drain(e)
     s = e.summary()
     assert list(s.to_dict()) == SUMMARY_FIELDS
-    assert (s.requests, s.completed, s.failed, s.ooms, s.preemptions) == (20, 20, 0, 0, 0)
+    assert (s.requests, s.completed, s.failed, s.rejected, s.unfinished, s.ooms, s.preemptions) == (20, 20, 0, 0, 0, 0, 0)
     assert 0 < s.ttft_p50_s <= s.ttft_p99_s and 0 < s.tpot_p50_s <= s.tpot_p99_s
     assert s.goodput_tokens_per_s > 0 and s.events == len(ev)
     finishes = ev[ev["kind"] == EventKind.FINISH]
@@ -75,6 +75,8 @@ def test_same_workload_profile_and_seed_give_byte_identical_event_logs(tmp_path)
     ev_a, sum_a, bytes_a = _run_once(tmp_path, "a.gz")
     ev_b, sum_b, bytes_b = _run_once(tmp_path, "b.gz")
     assert len(ev_a) > 1000
+    # the run crashes and refuses arrivals while down, so those paths are covered too
+    assert sum_a.ooms >= 1 and sum_a.rejected >= 1 and sum_a.failed >= 1
     assert ev_a.tobytes() == ev_b.tobytes()
     assert bytes_a == bytes_b
     assert sum_a == sum_b
@@ -102,7 +104,7 @@ def test_kv_pressure_preempts_lowest_priority_first_and_recomputes_it_later():
     assert pre["tokens"][0] > 200  # prompt + generated tokens to recompute
     s = e.summary()
     assert s.preemptions == len(pre)
-    assert s.completed + s.failed == 3
+    assert s.completed + s.failed + s.rejected + s.unfinished == 3
     # the victim went back to the queue and was admitted again to recompute
     assert ((ev["kind"] == EventKind.ADMIT) & (ev["req"] == 1)).sum() >= 2
 
@@ -118,14 +120,24 @@ def _fragment(pool, holes_of=9):
     pool.take_events()
 
 
-def test_workspace_that_finds_no_contiguous_run_crashes_the_engine_and_restarts_it():
-    profile = tiny_profile(1000, activation_bytes_per_token=4096, max_batched_tokens=32)
+def _crash_setup(max_num_seqs=64):
+    profile = tiny_profile(1000, activation_bytes_per_token=4096, max_batched_tokens=32, max_num_seqs=max_num_seqs)
     e = make_engine(profile, EngineConfig(restart_s=60.0))
     _fragment(e.pool)
     m = e.pool.metrics()
     assert m.free_units > 400 and m.largest_free_run < 20
+    return e
+
+
+def _finish_flags(ev):
+    fin = ev[ev["kind"] == EventKind.FINISH]
+    return {int(r): Outcome(int(f)) for r, f in zip(fin["req"], fin["flags"])}
+
+
+def test_workspace_that_finds_no_contiguous_run_crashes_the_engine_and_restarts_it():
+    e = _crash_setup()
     e.submit(req(0, 1, 20, 10, priority=5))  # 20 batched tokens -> a 20-unit workspace
-    e.submit(req(1, 30, 20, 10, priority=5))  # arrives while the GPU is down
+    e.submit(req(1, 100, 20, 10, priority=5))  # arrives after the restart
     ev = drain(e, 200)
     kinds = list(ev["kind"])
     oom_at = kinds.index(EventKind.OOM)
@@ -133,12 +145,55 @@ def test_workspace_that_finds_no_contiguous_run_crashes_the_engine_and_restarts_
     assert EventKind.RESET in kinds[oom_at:]
     assert ev["size"][oom_at] == 20 and ev["aux"][oom_at] < 20
     s = e.summary()
-    assert (s.ooms, s.failed, s.completed) == (1, 1, 1)
+    assert (s.ooms, s.failed, s.rejected, s.completed, s.unfinished) == (1, 1, 0, 1, 0)
     assert s.downtime_s == pytest.approx(60.0, abs=1e-6)
     assert e.oom_log[0]["fragmentation"] and e.oom_log[0]["what"] == "workspace"
-    # request 1 waited out the restart and was served afterwards
+    # the restarted engine starts from a reset pool and serves request 1
     admit1 = ev[(ev["kind"] == EventKind.ADMIT) & (ev["req"] == 1)]
     assert admit1["ts_ns"][0] >= ev["ts_ns"][oom_at] + 60 * NS
+
+
+def test_an_oom_fails_the_whole_queue_and_arrivals_while_down_are_rejected():
+    e = _crash_setup(max_num_seqs=1)
+    e.submit(req(0, 1, 20, 10, priority=5))  # runs, and its step's workspace finds no run
+    e.submit(req(1, 1, 20, 10, priority=5))  # queued behind it (max_num_seqs=1)
+    e.submit(req(2, 30, 20, 10, priority=None))  # arrives while the GPU restarts
+    e.submit(req(3, 61.5, 20, 10, priority=5))  # arrives after the restart
+    ev = drain(e, 200)
+    assert _finish_flags(ev) == {0: Outcome.FAILED_OOM, 1: Outcome.FAILED_OOM, 2: Outcome.REJECTED,
+                                 3: Outcome.COMPLETED}
+    oom = ev[ev["kind"] == EventKind.OOM]
+    assert len(oom) == 1
+    assert e.oom_log[0]["running"] == 1 and e.oom_log[0]["waiting"] == 1
+    # both queued requests fail at the crash; the refused one is recorded when it arrives
+    fin = ev[ev["kind"] == EventKind.FINISH]
+    assert list(fin["ts_ns"][:2]) == [oom["ts_ns"][0]] * 2
+    arrive2 = ev[(ev["kind"] == EventKind.ARRIVE) & (ev["req"] == 2)]
+    assert len(arrive2) == 1 and fin["ts_ns"][2] == arrive2["ts_ns"][0] == 30 * NS
+    assert not ((ev["kind"] == EventKind.ADMIT) & (ev["req"] == 2)).any()
+    s = e.summary()
+    assert (s.requests, s.completed, s.failed, s.rejected, s.unfinished, s.ooms) == (4, 1, 2, 1, 0, 1)
+    assert e.priority_defaulted == 1  # the refused request still counts as an arrival
+    assert e.outstanding_tokens() == 0
+    assert np.all(np.diff(ev["ts_ns"]) >= 0)
+
+
+def test_is_up_is_false_during_the_restart_only():
+    e = _crash_setup()
+    assert e.is_up(0)
+    e.submit(req(0, 1, 20, 10, priority=5))
+    e.advance(2 * NS)
+    assert e.ooms == 1 and e.down_until_ns > 60 * NS
+    assert not e.is_up(30 * NS) and e.is_up(e.down_until_ns)
+
+
+def test_requests_still_queued_at_the_end_are_unfinished():
+    e = make_engine()
+    for i in range(5):
+        e.submit(req(i, 0, 200, 5000, priority=5))
+    e.advance(1 * NS)
+    s = e.summary()
+    assert (s.requests, s.completed, s.unfinished) == (5, 0, 5)
 
 
 def _running(e, rid):
@@ -209,7 +264,8 @@ def test_prompt_that_can_never_fit_is_rejected_not_crashed():
     ev = drain(e, 10)
     fin = ev[ev["kind"] == EventKind.FINISH]
     assert list(fin["flags"]) == [Outcome.REJECTED]
-    assert e.summary().ooms == 0
+    s = e.summary()
+    assert (s.ooms, s.rejected, s.failed) == (0, 1, 0)
 
 
 def test_shipped_profiles_match_their_documented_sources():

@@ -167,3 +167,26 @@ def test_plots_are_written(tmp_path):
     for name in ("roc.png", "lead.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_auc_is_withheld_when_one_class_has_too_few_ticks():
+    ts = np.arange(397) * 10 * S  # ticks 0 .. 3960 s
+    ooms = np.array([3985]) * S  # one OOM just after the end: 28 positive ticks (3690 .. 3960 s)
+    p = np.linspace(0, 1, 397)
+    tr = ev.NodeTrace(node="n", ts_ns=ts, p_oom=p, firing={t: p > 0.9 for t in ("threshold", "slope", "lstm")},
+                      oom_ts_ns=ooms)
+    d = ev.evaluate_traces([tr]).to_dict()
+    assert d["positive_ticks"] == 28 and d["negative_ticks"] == 369
+    assert d["auc"] is None and d["recall_at_fpr_5pct"] is None and d["auc_valid"] is False
+    assert "28 positive and 369 negative" in d["auc_note"]
+    d = ev.evaluate_traces([make_trace("a")]).to_dict()
+    assert d["auc_valid"] is True and d["auc"] == 1.0 and d["auc_note"] is None
+
+
+def test_eval_cli_accepts_durations_like_the_other_commands():
+    from typer.testing import CliRunner
+
+    from kvguard.cli import app
+
+    result = CliRunner().invoke(app, ["eval", "--workload", "mixed", "--duration", "five minutes", "--json"])
+    assert result.exit_code == 2 and "expected a duration like 30m" in result.output

@@ -72,7 +72,7 @@ def test_missing_file_and_bad_metadata_name_the_file_and_field(tmp_path):
     d = json.loads(meta_path.read_text())
     d["normalisation"]["mean"] = d["normalisation"]["mean"][:-1]
     meta_path.write_text(json.dumps(d))
-    with pytest.raises(ModelError, match=r"m.json: normalisation.mean has 19 entries, feature_names has 20"):
+    with pytest.raises(ModelError, match=rf"m.json: normalisation.mean has {F - 1} entries, feature_names has {F}"):
         load_model(tmp_path / "m.pt")
     d["format"] = "other/9"
     meta_path.write_text(json.dumps(d))
@@ -99,7 +99,7 @@ def test_predictor_satisfies_the_stream_protocol():
     assert np.all((p >= 0) & (p <= 1)) and np.all((traj >= 0) & (traj <= 1))
     p0, traj0 = pred.predict(np.zeros((0, 180, F), np.float32))
     assert p0.shape == (0,) and traj0.shape == (0, 30)
-    with pytest.raises(ValueError, match=r"windows must be \[n, T, 20\]"):
+    with pytest.raises(ValueError, match=rf"windows must be \[n, T, {F}\]"):
         pred.predict(np.zeros((3, 180, 5), np.float32))
 
 
@@ -136,3 +136,116 @@ def test_normalisation_ignores_non_finite_values_and_floors_std():
     assert norm.std[0] == pytest.approx(1e-3)
     out = norm.apply(np.array([[1.0, np.inf]], np.float32))
     assert np.isfinite(out).all()
+
+
+def test_zero_variance_features_are_neutral_and_z_is_clipped():
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(200, 3)).astype(np.float32)
+    x[:, 1] = 0.0  # e.g. log_evicted_pages in runs without a policy
+    norm = Normalisation.fit(x)
+    assert norm.active == [True, False, True]
+    z = norm.apply(np.array([[1e6, 7.0, -1e6]], np.float32))
+    assert z.tolist() == [[10.0, 0.0, -10.0]]  # clipped, and the unseen feature stays 0
+    old = Normalisation(log1p=norm.log1p, mean=norm.mean, std=norm.std)  # artifact from before the fields
+    assert abs(old.apply(np.array([[0.0, 7.0, 0.0]], np.float32))[0, 1]) > 1000
+
+
+def test_prime_equals_predict_and_sets_the_state_that_step_continues():
+    net, meta = make_model(seed=6)
+    rng = np.random.default_rng(6)
+    history = rng.normal(size=(200, F)).astype(np.float32)
+    pred = LSTMPredictor(net, meta)
+    w = window_from_history(history[:190], 180)[None]
+    p_prime, traj_prime = pred.prime(["a"], w)
+    p_win, traj_win = pred.predict(w)
+    np.testing.assert_allclose(p_prime, p_win, atol=1e-6)
+    np.testing.assert_allclose(traj_prime, traj_win, atol=1e-6)
+    stepped = pred.step(["a"], history[190:191])[0][0]
+    # the state after priming is the window's: one more step equals a 181-tick pass from zero
+    whole = LSTMPredictor(net, meta)
+    meta181 = whole.metadata
+    meta181.window_ticks = 181
+    assert stepped == pytest.approx(whole.predict(history[10:191][None])[0][0], abs=1e-5)
+    with pytest.raises(ValueError, match=r"windows must be \[2, T"):
+        pred.prime(["a", "b"], w)
+
+
+class _Counting(LSTMPredictor):
+    def __init__(self, net, meta):
+        super().__init__(net, meta)
+        self.calls = {"predict": 0, "prime": 0, "step": 0, "forget": 0}
+
+    def predict(self, windows):
+        self.calls["predict"] += 1
+        return super().predict(windows)
+
+    def prime(self, nodes, windows):
+        self.calls["prime"] += 1
+        return super().prime(nodes, windows)
+
+    def step(self, nodes, features):
+        self.calls["step"] += 1
+        return super().step(nodes, features)
+
+    def forget(self, node):
+        self.calls["forget"] += 1
+        super().forget(node)
+
+
+def _core_scores(stateful: bool, batches, net, meta):
+    from streams.core import StreamCore
+
+    pred = _Counting(net, meta)
+    core = StreamCore(predictor=pred, stateful=stateful)
+    out = {}
+    for group in batches:
+        ticks, _ = core.process_many(group)
+        for t in ticks:
+            out[(t.node, t.ts_ns)] = t.p_oom
+    return out, pred.calls, core
+
+
+def test_stream_core_stateful_path_equals_the_window_path():
+    """Two nodes, batches of different sizes (several ticks per call), a lost batch (resync): the
+    core's prime/step scores match the 180-tick window scores; the window path is not called."""
+    from tests.unit.streams_refpool import RefPool, batches_of, small_geometry
+
+    net, meta = make_model(seed=7, window=20)  # short window so the stateful state outlives it
+    meta.normalisation = Normalisation.fit(np.random.default_rng(7).normal(size=(500, F)).astype(np.float32))
+    groups = []
+    per_node = {}
+    for node, seed in (("a", 1), ("b", 2)):
+        pool = RefPool(small_geometry(128), seed=seed)
+        for _ in range(3000):
+            pool.random_op(time_step_ns=200_000_000)
+        events = pool.events()
+        n = len(events)
+        cuts = [n // 7, n // 5, n // 3, n // 2, 2 * n // 3, n]
+        per_node[node] = batches_of(events, node, pool.g, cuts)
+    lost = per_node["b"].pop(3)  # a gap on node b: the core must forget and re-prime it
+    assert lost is not None
+    for i in range(max(len(v) for v in per_node.values())):
+        groups.append([bs[i] for bs in per_node.values() if i < len(bs)])
+    window, calls_w, _ = _core_scores(False, groups, net, meta)
+    stateful, calls_s, core = _core_scores(True, groups, net, meta)
+    assert calls_s["predict"] == 0 and calls_s["step"] > 0 and calls_s["prime"] >= 2
+    assert calls_s["forget"] == 1 and core.nodes["b"].gaps == 1
+    assert calls_w["predict"] == len(groups) and calls_w["step"] == 0
+    assert window.keys() == stateful.keys() and len(window) > 40
+    diff = np.abs(np.array([window[k] for k in window]) - np.array([stateful[k] for k in window]))
+    assert diff.max() < 0.02, diff.max()
+
+
+def test_stream_core_refuses_stateful_without_step():
+    from streams.core import StreamConfigError, StreamCore
+
+    class WindowOnly:
+        feature_names = FEATURE_NAMES
+        window_ticks = 180
+
+        def predict(self, windows):
+            return np.zeros(len(windows)), np.zeros((len(windows), 30))
+
+    assert StreamCore(predictor=WindowOnly()).stateful is False
+    with pytest.raises(StreamConfigError, match="stateful"):
+        StreamCore(predictor=WindowOnly(), stateful=True)

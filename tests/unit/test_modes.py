@@ -89,3 +89,102 @@ def test_mode_changes_are_published_as_alerts_by_the_service():
     assert [(a["name"], a["status"], a["labels"]["mode"]) for a in alerts] == [(MODE_ALERT, "firing", "emergency")]
     assert "OOM" in alerts[0]["summary"]
     assert service.ledger.remaining("n", tick_week(10 * S)) < 3600, "F_ext 0.7 ticks were debited"
+
+
+def test_replayed_older_ticks_are_skipped_and_do_not_move_the_mode_clock():
+    """Faust redelivers on recovery: an older or duplicate tick must not rewind since_ns, count a
+    rise twice, or run the scan clock backwards."""
+    from policy.engine import EngineConfig, PolicyEngine
+
+    engine = PolicyEngine(EngineConfig(dynamic_units=1000), b"k")
+    engine.decide(view(10, 0.5, ooms=1))  # escalates at t=10
+    assert engine.modes.mode("n") is Mode.EMERGENCY
+    for t in range(20, 190, 10):  # 17 calm ticks, 170 s in emergency
+        engine.decide(view(t, 0.5))
+    ticks = engine.counters.ticks
+    replayed = [engine.decide(view(t, 0.5, ooms=1)) for t in (180, 150, 20)]  # a duplicate and two older
+    assert all(d.stale and d.commands == [] for d in replayed)
+    assert engine.counters.stale_ticks == 3 and engine.counters.ticks == ticks
+    # the replayed OOM ticks did not restart the dwell: 180 s after t=10 the node de-escalates on time
+    assert engine.modes.mode("n") is Mode.EMERGENCY
+    change = engine.decide(view(190, 0.5)).mode_change
+    assert change is not None and change.to_mode is Mode.DEFAULT
+
+
+async def test_policy_service_delivers_through_a_broker_outage_before_committing():
+    """A refused publish (SendBufferFull) and a failed delivery are retried; the tick's offset is
+    committed only after the command was delivered, and the service does not die."""
+    import asyncio
+
+    import orjson
+
+    from kvguard.bus.inproc import InprocBus
+    from kvguard.settings import Settings
+    from policy.engine import EngineConfig, PolicyEngine
+    from policy.service import PolicyService
+    from tests.unit.test_actuator import FlakyBus
+
+    settings = Settings()
+    inner = InprocBus.from_settings(settings)
+    service = PolicyService(PolicyEngine(EngineConfig(dynamic_units=1000), b"k"), settings,
+                            bus=FlakyBus(inner, refuse=2, fail=2))
+    tick = {"schema": "1.0", "node": "n", "ts_ns": 10 * S, "tick_s": 10.0, "u_kv": 0.7, "f_ext": 0.2,
+            "f_int": 0.0, "psi": 0.9, "free_units": 300, "largest_free_run_units": 300, "ooms": 0}
+    await inner.publish(settings.topics.name("metrics"), "n", orjson.dumps(tick))
+    stop = asyncio.Event()
+
+    async def until_delivered():
+        reader = inner.subscribe([settings.topics.name("commands")], "reader")
+        while not await reader.getmany(timeout_s=0.05):
+            pass
+        stop.set()
+
+    await asyncio.wait_for(asyncio.gather(service.run(group="p", stop=stop, poll_s=0.01), until_delivered()),
+                           timeout=10)
+    commands = await inner.subscribe([settings.topics.name("commands")], "r2").getmany(timeout_s=0)
+    assert [orjson.loads(r.value)["action"] for r in commands] == ["headroom"]
+    assert service.ticks == 1
+
+
+def test_slo_recorder_writes_predictions_oom_lead_times_evictions_and_their_outcomes():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from kvguard.events import EVENT_DTYPE, EventKind, Outcome
+    from policy.budget import iso_week
+    from policy.commands import Ack, AckOutcome, Action, Command, Target
+    from policy.service import SloRecorder
+    from policy.slo import MemorySloLedger
+    from policy.strategy import Granularity, HandlingChoice
+
+    ledger = MemorySloLedger()
+    slo = SloRecorder(ledger, threshold=0.5, horizon_s=30.0, confirm_with_acks=True)
+
+    def tick(t, u_kv, p_oom, ooms=0, f_ext=0.1, slope=0.0):
+        return {"node": "n", "ts_ns": t * S, "u_kv": u_kv, "psi": u_kv, "f_ext": f_ext, "slope_per_min": slope,
+                "p_oom": p_oom, "ooms": ooms}
+
+    for t, u, p in ((10, 0.5, 0.1), (20, 0.95, 0.7), (30, 0.97, 0.9)):
+        slo.observe_tick(tick(t, u, p, slope=0.2 if t >= 30 else 0.0))
+    slo.observe_tick(tick(40, 0.2, 0.1, ooms=1))
+    slo.observe_tick(tick(40, 0.2, 0.1, ooms=1))  # a redelivered tick counts once
+    slo.observe_tick(tick(100, 0.2, 0.1))
+    cmd = Command(id="c1", node="n", action=Action.EVICT, targets=(Target(7), Target(8)),
+                  granularity=Granularity.REQUEST, handling=HandlingChoice.RECOMPUTE, reason="t",
+                  mode=Mode.DEFAULT, variant="v", issued_at_ns=100 * S, ttl_ns=30 * S)
+    slo.observe_decision(SimpleNamespace(commands=[cmd]))
+    slo.observe_ack(Ack(command_id="c1", node="n", outcome=AckOutcome.EXECUTED, executed_at_ns=101 * S))
+    rows = np.zeros(2, dtype=EVENT_DTYPE)
+    rows["kind"], rows["req"] = int(EventKind.FINISH), (7, 8)
+    rows["flags"] = (int(Outcome.COMPLETED), int(Outcome.FAILED_OOM))
+    slo.observe_batches([SimpleNamespace(node="n", events=rows)])
+
+    report = ledger.report(iso_week(10 * S))
+    # ticks 10..40 are labelled by t=100 (OOM at 40, horizon (t, t+30]): 10 missed it (FN), 20 and 30
+    # saw it (TP), 40 is the OOM's own tick (TN)
+    assert (report.tp, report.fp, report.tn, report.fn) == (2, 0, 1, 1)
+    leads = {t.tier: t.lead_times_s for t in report.tiers}
+    assert leads == {"threshold": (20.0,), "slope": (10.0,), "fragmentation": (0.0,), "lstm": (20.0,)}
+    assert (report.ooms, report.evictions, report.completed, report.failed) == (1, 2, 1, 1)
+    assert slo.counters.ooms == 1 and slo.counters.outcomes == 2

@@ -8,7 +8,7 @@ from kvguard.cli import app
 from kvguard.cli.simulate import parse_duration
 from kvguard.eventlog import read_event_log
 
-CONTRACT_FIELDS = {"requests", "completed", "failed", "ooms", "preemptions", "ttft_p99_s", "goodput_tokens_per_s",
+CONTRACT_FIELDS = {"requests", "completed", "failed", "rejected", "unfinished", "ooms", "preemptions", "ttft_p99_s", "goodput_tokens_per_s",
                    "events", "sim_seconds", "wall_seconds"}
 
 
@@ -32,6 +32,10 @@ def test_simulate_json_has_the_contract_fields_and_writes_a_readable_event_log(t
     out = json.loads(result.stdout)
     assert CONTRACT_FIELDS <= out.keys()
     assert out["requests"] > 100 and out["completed"] > 0 and out["sim_seconds"] >= 120
+    # drained to the end: every request completed, failed in a crash or was refused
+    assert out["unfinished"] == 0
+    assert out["requests"] == out["completed"] + out["failed"] + out["rejected"]
+    assert all({"rejected", "unfinished"} <= g.keys() for g in out["per_gpu"])
     assert [g["node"] for g in out["per_gpu"]] == ["sim-0/gpu0", "sim-0/gpu1"]
     meta, batches = read_event_log(out_path)
     assert meta["gpus"] == 2 and meta["seed"] == 3
@@ -42,7 +46,7 @@ def test_simulate_json_has_the_contract_fields_and_writes_a_readable_event_log(t
 def test_simulate_human_output_is_a_table():
     result = CliRunner().invoke(app, ["simulate", "--workload", "rag", "--duration", "60s"])
     assert result.exit_code == 0, result.output
-    assert "sim-0/gpu0" in result.output and "fleet" in result.output
+    assert "sim-0/gpu0" in result.output and "fleet" in result.output and "rejected" in result.output
 
 
 def test_unknown_workload_and_profile_fail_with_a_clear_message(tmp_path):
