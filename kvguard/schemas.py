@@ -308,7 +308,9 @@ class Alert(WireModel):
     node: str = Field(min_length=1)
     ts_ns: int
     name: str = Field(min_length=1)  # alertname, e.g. KVCacheOOMRisk
-    tier: str  # threshold | slope | lstm (more may come)
+    tier: str  # threshold | slope | fragmentation | lstm | budget (more may come)
+    rule: str = ""  # the stream's rule name (same as ``name`` for stream alerts)
+    state: str = ""  # the stream's own firing/resolved field, mirrored by ``status``
     severity: str  # warning | critical
     status: str = "firing"  # firing | resolved
     fingerprint: str = ""
