@@ -6,6 +6,7 @@ from kvguard.cli import (  # noqa: F401  (each module registers its commands on 
     dataset,
     demo,
     evaluate,
+    export,
     metrics,
     node,
     policy,
