@@ -85,7 +85,7 @@ class Outcome(IntEnum):
 
     COMPLETED = 0
     FAILED_OOM = 1  # the engine crashed under it
-    REJECTED = 2  # could never fit (prompt larger than the pool)
+    REJECTED = 2  # could never fit (prompt larger than the pool), or the engine was down (restarting)
     ABORTED = 3  # cancelled by the caller or the policy
 
 

@@ -81,11 +81,12 @@ class _NodeSeries:
     seen_order: deque = field(default_factory=deque)
     budget: dict[str, float] = field(default_factory=dict)  # week -> remaining seconds
     firing: dict[tuple[str, str, str], str] = field(default_factory=dict)  # (alertname, severity, tier) -> fp
+    alert_ts: dict[tuple[str, str, str], int] = field(default_factory=dict)  # newest transition's ts_ns
     acks: dict[tuple[str, str], int] = field(default_factory=dict)
     units_freed: int = 0
 
 
-class _BoundedKeys:
+class BoundedKeys:
     """A set that remembers the newest ``bound`` keys (O(1) add/lookup, oldest forgotten first)."""
 
     def __init__(self, bound: int):
@@ -108,6 +109,7 @@ class ObserveCounters:
     ticks_stale: int = 0  # older than the gauge shown (gauges kept)
     ticks_duplicate: int = 0  # (node, ts_ns) already counted
     alerts: int = 0
+    alerts_stale: int = 0  # older than the newest transition of the same alert (ignored)
     acks: int = 0
     acks_duplicate: int = 0
     dlq: int = 0
@@ -127,8 +129,8 @@ class ExportState:
         self.dedupe_ticks = dedupe_ticks
         self.nodes: dict[str, _NodeSeries] = {}
         self.dlq_by_reason: dict[str, int] = {}
-        self._dlq_seen = _BoundedKeys(dedupe_records)
-        self._acks_seen = _BoundedKeys(dedupe_records)
+        self._dlq_seen = BoundedKeys(dedupe_records)
+        self._acks_seen = BoundedKeys(dedupe_records)
         self.counters = ObserveCounters()
         # the exporter's own health series: name -> (type, help, {label tuple: value})
         self.own: dict[str, tuple[str, str, dict[tuple[tuple[str, str], ...], float]]] = {}
@@ -178,6 +180,11 @@ class ExportState:
         series = self._node(node, now_ns)
         self.counters.alerts += 1
         key = (_required(alert, "name"), getattr(alert, "severity", ""), getattr(alert, "tier", ""))
+        ts_ns = int(_required(alert, "ts_ns"))
+        if ts_ns < series.alert_ts.get(key, ts_ns):
+            self.counters.alerts_stale += 1  # a redelivered older transition must not undo a newer one
+            return
+        series.alert_ts[key] = ts_ns
         if getattr(alert, "status", "firing") == "resolved":
             series.firing.pop(key, None)
         else:
@@ -207,9 +214,9 @@ class ExportState:
         self.dlq_by_reason[record.reason] = self.dlq_by_reason.get(record.reason, 0) + 1
         return True
 
-    def set_own(self, name: str, kind: str, help_text: str, value: float, **labels: str) -> None:
+    def set_own(self, name: str, metric_type: str, help_text: str, value: float, labels: dict[str, str]) -> None:
         """Set one of the exporter's own series (forwarder queue, decode errors …)."""
-        family = self.own.setdefault(name, (kind, help_text, {}))
+        family = self.own.setdefault(name, (metric_type, help_text, {}))
         family[2][tuple(sorted(labels.items()))] = float(value)
 
     def expire(self, now_ns: int) -> list[str]:
@@ -247,7 +254,8 @@ class ExportState:
                    [({"reason": r}, v) for r, v in sorted(self.dlq_by_reason.items())])
         kind, help_text = OTHER_FAMILIES["kvguard_acks_total"]
         out.family("kvguard_acks_total", kind, help_text,
-                   [({"node": n, "action": a, "outcome": o}, v) for n, s in nodes for (a, o), v in sorted(s.acks.items())])
+                   [({"node": n, "action": a, "outcome": o}, v)
+                    for n, s in nodes for (a, o), v in sorted(s.acks.items())])
         kind, help_text = OTHER_FAMILIES["kvguard_ack_units_freed_total"]
         out.family("kvguard_ack_units_freed_total", kind, help_text,
                    [({"node": n}, s.units_freed) for n, s in nodes if s.acks])
@@ -324,12 +332,13 @@ def rfc3339(ts_ns: int) -> str:
     return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def alertmanager_alert(alert: Any, *, generator_url: str = "") -> dict[str, Any]:
+def alertmanager_alert(alert: Any, *, generator_url: str = "", valid_until_ns: int | None = None) -> dict[str, Any]:
     """One ``kvguard.alerts`` record as an Alertmanager v2 postable alert.
 
-    Firing alerts carry no ``endsAt`` (Alertmanager keeps them for its ``resolve_timeout``);
-    resolved ones carry ``endsAt`` = the record's ``ends_at_ns`` (else its ``ts_ns``), which is
-    what makes Alertmanager resolve them.
+    A firing alert carries ``endsAt`` = ``valid_until_ns`` when given (the sender promises to
+    resend before then, as Prometheus does), else none (Alertmanager then keeps it for its
+    ``resolve_timeout``). A resolved one carries ``endsAt`` = the record's ``ends_at_ns`` (else its
+    ``ts_ns``), which is what makes Alertmanager resolve it.
     """
     node, name = _required(alert, "node"), _required(alert, "name")
     status = getattr(alert, "status", "") or "firing"
@@ -351,6 +360,8 @@ def alertmanager_alert(alert: Any, *, generator_url: str = "") -> dict[str, Any]
     if status == "resolved":
         ends_ns = getattr(alert, "ends_at_ns", None)
         out["endsAt"] = rfc3339(int(ends_ns) if ends_ns is not None else int(alert.ts_ns))
+    elif valid_until_ns is not None:
+        out["endsAt"] = rfc3339(valid_until_ns)
     if generator_url:
         out["generatorURL"] = generator_url
     return out

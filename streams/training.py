@@ -39,7 +39,7 @@ class TrainConfig:
     learning_rate: float = 2e-3
     traj_weight: float = 2.0
     max_pos_weight: float = 30.0
-    isolated_weight: float = 3.0  # extra loss weight before isolated OOMs (first crash after calm)
+    isolated_weight: float = 1.0  # extra loss weight before isolated OOMs (first crash after calm); 3.0 did worse on validation
     hidden_size: int = 64
     num_layers: int = 2
     traj_steps: int = 30

@@ -116,8 +116,8 @@ def _print_table(out: dict) -> None:
 
     def row(name, d):
         fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
-        table.add_row(name, fmt(d["requests"]), fmt(d["completed"]), fmt(d["failed"]), fmt(d["rejected"]), fmt(d["ooms"]),
-                      fmt(d["preemptions"]), fmt(d["ttft_p99_s"]), fmt(d["tpot_p50_s"]),
+        table.add_row(name, fmt(d["requests"]), fmt(d["completed"]), fmt(d["failed"]), fmt(d["rejected"]),
+                      fmt(d["ooms"]), fmt(d["preemptions"]), fmt(d["ttft_p99_s"]), fmt(d["tpot_p50_s"]),
                       fmt(d["goodput_tokens_per_s"]), fmt(d["downtime_s"]))
 
     for d in out["per_gpu"]:
