@@ -265,7 +265,7 @@ class ExportService:
     def _forward(self, alert: Alert) -> None:
         if not self.sinks:
             return
-        if False:
+        if not self._alerts_seen.add(alert_dedupe_key(alert)):
             self.alerts_duplicate += 1
             return
         fingerprint = alert_fingerprint(alert)
