@@ -25,6 +25,19 @@ Per tick and node:
    handed out, instead of by evicting the same requests again every tick. After
    ``headroom_calm_ticks`` calm ticks the hold is released. It is a level, not a delta, so a
    repeated or reordered command does no harm.
+   The engine's admission check looks only at a request's first prefill chunk; a long prompt
+   admitted into a node with less free space than the whole prompt then fills the node during
+   its own prefill, a few seconds after admission, and the next step's workspace finds no
+   contiguous run (on the shadow engine's ``mixed`` stress, the guarded OOMs were all of this
+   kind, with a U_kv-sized hold in place). So the hold is at least the largest prompt seen on
+   any node within ``prompt_horizon_s`` (from the candidates' ``prompt_tokens``) plus
+   ``prompt_safety_runs`` run requirements, minus the engine's own reserve, capped at
+   ``max_headroom_frac`` of D: whatever the engine admits then still fits whole, with one
+   step's workspace to spare. The policy learns the size from the traffic, not from a constant.
+6. Compaction trigger (DESIGN §5's "fragmentation" trigger, read on the real need): when the
+   largest free run falls under ``planner.compact_run_factor`` run requirements while the free
+   space in total is at least that, the structural guard fires and the plan compacts (no
+   eviction: free space suffices, it is only scattered).
 
 Pure and deterministic: time is the tick's event time, no clock, no I/O. The service shell
 (``policy.service``) feeds it ticks from the bus and publishes what it returns.
@@ -37,7 +50,7 @@ from typing import Any
 
 from policy.commands import Action, Command, Mode, Target, command_id, sign
 from policy.modes import ModeChange, ModeConfig, ModeTracker
-from policy.planner import CostModel, NodeView, Plan, PlannerConfig, plan, view_from_tick
+from policy.planner import CostModel, NodeView, Plan, PlannerConfig, compaction_run_units, plan, view_from_tick
 from policy.strategy import DEFAULT, EMERGENCY, Strategy, Timing, Trigger
 
 NS = 1_000_000_000
@@ -62,6 +75,10 @@ class EngineConfig:
     headroom_from_u_kv: float = 0.5  # a busy node holds headroom already; 1.0: only when at risk
     headroom_calm_ticks: int = 30  # sticky: a late hold (lagging bus) costs more than a long one
     headroom_refresh_s: float = 60.0  # re-send the current hold this often (acks may be lost)
+    prompt_headroom: bool = True  # size the hold by the largest prompt seen (see the module docstring)
+    prompt_horizon_s: float = 900.0  # how long a seen prompt size counts
+    prompt_safety_runs: float = 1.0  # run requirements left free after the largest prompt lands
+    max_headroom_frac: float = 0.45  # never hold back more than this share of D
 
 
 @dataclass(slots=True)
@@ -107,6 +124,7 @@ class PolicyEngine:
         self._held: dict[str, tuple[int, int]] = {}  # node -> (units held, ts_ns of the last command)
         self._calm: dict[str, int] = {}
         self._last_ts: dict[str, int] = {}  # node -> ts_ns of the last tick decided on
+        self._prompt_max: dict[int, int] = {}  # minute of event time -> largest prompt seen (units)
 
     def strategy_for(self, mode: Mode) -> Strategy:
         return self.config.emergency if mode is Mode.EMERGENCY else self.config.default
@@ -129,6 +147,7 @@ class PolicyEngine:
                             reason=f"stale tick: ts_ns {view.ts_ns} <= last decided {last}", stale=True)
         self._last_ts[view.node] = view.ts_ns
         self.counters.ticks += 1
+        self._note_prompts(view)
         change = self.modes.observe(view)
         if change:
             self.counters.mode_changes += 1
@@ -178,10 +197,30 @@ class PolicyEngine:
         return None
 
     def headroom_units(self, mode: Mode) -> int:
-        """The admission hold that keeps ``(1 - target_u_kv)`` of D free in ``mode``."""
+        """The admission hold in ``mode``: ``(1 - target_u_kv)`` of D free, or room for the
+        largest prompt seen (plus one run requirement) when that is more, capped."""
         d = self.config.dynamic_units or 0
         target = self.strategy_for(mode).target_u_kv
-        return max(0, int((1.0 - target) * d) - self.config.engine_reserve_units)
+        hold = int((1.0 - target) * d)
+        if self.config.prompt_headroom and self._prompt_max:
+            required = self.config.planner.required_run_units
+            by_prompt = max(self._prompt_max.values()) + int(self.config.prompt_safety_runs * required)
+            hold = max(hold, min(by_prompt, int(self.config.max_headroom_frac * d)))
+        return max(0, hold - self.config.engine_reserve_units)
+
+    def largest_prompt_units(self) -> int:
+        """The largest prompt (units) seen within ``prompt_horizon_s`` (0: none yet)."""
+        return max(self._prompt_max.values(), default=0)
+
+    def _note_prompts(self, view: NodeView) -> None:
+        minute = view.ts_ns // (60 * NS)
+        horizon = int(self.config.prompt_horizon_s // 60)
+        for old in [m for m in self._prompt_max if m < minute - horizon]:
+            del self._prompt_max[old]
+        unit = max(1, self.config.unit_tokens)
+        largest = max((-(-c.prompt_tokens // unit) for c in view.candidates), default=0)
+        if largest > self._prompt_max.get(minute, 0):
+            self._prompt_max[minute] = largest
 
     def _headroom(self, view: NodeView, mode: Mode, risk: str | None) -> int | None:
         """The admission hold to command now, or None to leave it as it is."""
@@ -207,6 +246,11 @@ class PolicyEngine:
         if required and view.largest_free_run_units < required * (1 + self.config.planner.run_margin):
             return (f"largest free run {view.largest_free_run_units} < "
                     f"{required * (1 + self.config.planner.run_margin):.0f} units one full step needs")
+        compact_below = compaction_run_units(self.config.planner)
+        if required and view.largest_free_run_units < compact_below <= view.free_units:
+            return (f"fragmented: largest free run {view.largest_free_run_units} < {compact_below} units "
+                    f"({self.config.planner.compact_run_factor:g}x one full step's need), "
+                    f"{view.free_units} free in total")
         if (budget_remaining_frac is not None and budget_remaining_frac <= self.config.budget_low_frac
                 and view.f_ext > self.config.budget_f_ext):
             return (f"fragmentation budget low ({budget_remaining_frac:.0%} left) and "

@@ -24,12 +24,19 @@ Compaction instead of eviction
 ------------------------------
 Free space can be plentiful and still useless: an engine step needs its workspace buffer as one
 contiguous run, and with several page sizes a large-class page needs an aligned contiguous run
-too. When the largest free run is below ``required_run_units`` (one full step's workspace and a
-largest-class page, plus a margin) but the free space in total is above it, or F_ext is over
-the strategy's fragmentation threshold, the plan compacts (migrates pages to coalesce runs):
+too. ``required_run_units`` is one full step's workspace and a largest-class page. The
+fragmentation trigger (DESIGN §5) is read on that need, not on F_ext alone: when the largest
+free run is below ``compact_run_factor`` × the requirement (a safety multiple: between two
+10-second ticks an engine runs hundreds of steps, and on the shadow engine the run a workspace
+OOM finds was ~3000 units ten seconds earlier) but the free space in total is at least that,
+or F_ext is over the strategy's fragmentation threshold, the plan compacts (migrates pages to
+coalesce runs):
 a migration costs one device-to-device copy of the page (HBM bandwidth, microseconds per page)
 and loses no request any work, while an eviction costs the victim a re-prefill or a round trip
-over the host link. Eviction is planned only for what compaction cannot cure.
+over the host link. Eviction is planned only for what compaction cannot cure: when the free
+space *in total* is short of one requirement (plus ``run_margin``), cached pages are reclaimed
+and live pages evicted for the shortfall (and the engine holds admission headroom, see
+``policy.engine``).
 
 Recovery-cost model (cost-aware selection)
 ------------------------------------------
@@ -156,6 +163,7 @@ class PlannerConfig:
 
     required_run_units: int = 0
     run_margin: float = 0.25  # keep the largest run this much above the requirement
+    compact_run_factor: float = 4.0  # compact while the largest run is under this many requirements
     compacted_f_ext: float = 0.05  # F_ext expected right after a compaction
     moves_per_missing_unit: float = 0.25  # compaction moves per unit the largest run lacks
     min_units: int = 16  # do not bother evicting less than this
@@ -236,9 +244,14 @@ def units_to_free(view: NodeView, strategy: Strategy, config: PlannerConfig) -> 
     return int(math.ceil(need * view.dynamic_units))
 
 
+def compaction_run_units(config: PlannerConfig) -> int:
+    """The largest free run below which compaction is worth doing (see "Compaction" above)."""
+    return int(config.required_run_units * max(1.0 + config.run_margin, config.compact_run_factor))
+
+
 def compaction_moves(view: NodeView, strategy: Strategy, config: PlannerConfig) -> int:
     """Migration moves worth doing now (0 when the free space is not fragmented or too small)."""
-    wanted_run = int(config.required_run_units * (1.0 + config.run_margin))
+    wanted_run = compaction_run_units(config)
     short_run = wanted_run > 0 and view.largest_free_run_units < wanted_run <= view.free_units
     fragmented = view.f_ext > strategy.fragmentation_threshold and view.free_units > 0
     if not (short_run or fragmented):

@@ -374,7 +374,9 @@ class StreamCore:
         if stateful and not has_steps:
             raise StreamConfigError("stateful", stateful, "a predictor with prime(), step() and forget()")
         self.stateful = has_steps if stateful is None else bool(stateful)
-        self._primed: dict[str, int] = {}  # node -> NodeState.resets when its predictor state was primed
+        # node -> (its NodeState, its resets) when the predictor's state was primed: a NodeState replaced
+        # (restored from the changelog, partition moved back) or a reset since then means "prime again"
+        self._primed: dict[str, tuple[NodeState, int]] = {}
         if predictor is not None:
             check_predictor(predictor)
             if predictor.window_ticks > self.config.window_ticks:
@@ -433,11 +435,11 @@ class StreamCore:
             return None
         if self.stateful:
             primed = self._primed.get(st.node)
-            if primed == st.resets:
+            if primed is not None and primed[0] is st and primed[1] == st.resets:
                 return ("step", st.features.window(1, lag)[0])
-            if primed is not None:  # the mirror lost events (gap, new epoch/geometry): start over
+            if primed is not None:  # lost events (gap, new epoch/geometry) or a restored state: start over
                 self.predictor.forget(st.node)
-            self._primed[st.node] = st.resets
+            self._primed[st.node] = (st, st.resets)
             return ("prime", st.features.window(self.predictor.window_ticks, lag))
         return st.features.window(self.predictor.window_ticks, lag)
 

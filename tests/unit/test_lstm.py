@@ -249,3 +249,29 @@ def test_stream_core_refuses_stateful_without_step():
     assert StreamCore(predictor=WindowOnly()).stateful is False
     with pytest.raises(StreamConfigError, match="stateful"):
         StreamCore(predictor=WindowOnly(), stateful=True)
+
+
+def test_stream_core_reprimes_a_node_restored_from_its_checkpoint():
+    from streams.core import NodeState, StreamCore
+    from tests.unit.streams_refpool import RefPool, batches_of, small_geometry
+
+    net, meta = make_model(seed=8, window=20)
+    pool = RefPool(small_geometry(128), seed=3)
+    for _ in range(3000):
+        pool.random_op(time_step_ns=200_000_000)
+    events = pool.events()
+    batches = batches_of(events, "a", pool.g, [len(events) // 3, 2 * len(events) // 3])
+    pred = _Counting(net, meta)
+    core = StreamCore(predictor=pred)
+    core.process(batches[0])
+    saved = core.nodes["a"].to_bytes()
+    core.process(batches[1])
+    core.nodes["a"] = NodeState.from_bytes(saved, core.config, with_predictor=True)  # partition came back
+    before = dict(pred.calls)
+    ticks, _ = core.process(batches[1])
+    assert pred.calls["forget"] == before["forget"] + 1 and pred.calls["prime"] == before["prime"] + 1
+    window_core = StreamCore(predictor=_Counting(net, meta), stateful=False)
+    window_core.nodes["a"] = NodeState.from_bytes(saved, window_core.config, with_predictor=True)
+    expected, _ = window_core.process(batches[1])
+    assert ticks and [t.ts_ns for t in ticks] == [t.ts_ns for t in expected]
+    np.testing.assert_allclose([t.p_oom for t in ticks], [t.p_oom for t in expected], atol=0.02)

@@ -259,3 +259,54 @@ def test_low_fragmentation_budget_makes_compaction_kick_in_earlier():
     v = busy(f_ext=0.55, largest_free_run_units=1500)
     assert not any(c.action is Action.COMPACT for c in engine().decide(v, budget_remaining_frac=0.9).commands)
     assert any(c.action is Action.COMPACT for c in engine().decide(v, budget_remaining_frac=0.1).commands)
+
+
+# -- the fragmentation trigger read on the workspace need, and the prompt-sized admission hold -------
+
+from policy.planner import compaction_moves, compaction_run_units  # noqa: E402
+
+
+def test_compaction_when_the_largest_run_is_under_the_safety_multiple_and_free_space_suffices():
+    config = PlannerConfig(required_run_units=512, compact_run_factor=4.0)
+    assert compaction_run_units(config) == 2048
+    fragmented = view(f_ext=0.1, free_units=3000, largest_free_run_units=1500)
+    assert compaction_moves(fragmented, DEFAULT, config) > 0
+    # the same run with plenty of it: nothing to cure
+    assert compaction_moves(replace(fragmented, largest_free_run_units=2100), DEFAULT, config) == 0
+    # free space short in total: compaction cannot make a 2048-unit run out of 1800 free units
+    assert compaction_moves(replace(fragmented, free_units=1800), DEFAULT, config) == 0
+    # the factor never goes under the run margin
+    assert compaction_run_units(PlannerConfig(required_run_units=512, compact_run_factor=0.5)) == 640
+
+
+def test_a_fragmented_node_with_enough_free_space_is_compacted_not_evicted():
+    decision = engine().decide(view(u_kv=0.3, f_ext=0.3, free_units=3000, largest_free_run_units=1500))
+    actions = [c.action for c in decision.commands]
+    assert Action.COMPACT in actions and Action.EVICT not in actions
+    assert "fragmented" in decision.reason
+
+
+def big_prompt(req, prompt_tokens, last_s=50):
+    return Candidate(req=req, priority=5, units=prompt_tokens // 4, tokens=prompt_tokens, last_ts_ns=last_s * 10**9,
+                     prompt_tokens=prompt_tokens)
+
+
+def test_the_hold_covers_the_largest_prompt_seen_on_any_node_then_expires():
+    e = engine(prompt_horizon_s=300.0)
+    strategy_hold = int((1 - DEFAULT.target_u_kv) * D) - 600
+    # a 12000-token prompt (3000 units) seen on another node, at a calm moment
+    e.decide(replace(view(u_kv=0.3), node="n0/gpu1", candidates=(big_prompt(1, 12000),)))
+    assert e.largest_prompt_units() == 3000
+    hold = [c for c in e.decide(view(ts_ns=70 * 10**9, u_kv=0.6)).commands if c.action is Action.HEADROOM]
+    assert hold[0].units_needed == 3000 + 512 - 600 > strategy_hold
+    # capped at max_headroom_frac of D
+    e2 = engine(max_headroom_frac=0.25)
+    e2.decide(replace(view(u_kv=0.3), node="n0/gpu1", candidates=(big_prompt(1, 12000),)))
+    assert e2.headroom_units(Mode.DEFAULT) == int(0.25 * D) - 600
+    # forgotten after the horizon: back to the strategy's own hold
+    e.decide(view(ts_ns=(60 + 600) * 10**9, u_kv=0.3))
+    assert e.largest_prompt_units() == 0 and e.headroom_units(Mode.DEFAULT) == strategy_hold
+    # switched off: the strategy's hold only
+    e3 = engine(prompt_headroom=False)
+    e3.decide(replace(view(u_kv=0.3), candidates=(big_prompt(1, 12000),)))
+    assert e3.headroom_units(Mode.DEFAULT) == strategy_hold
