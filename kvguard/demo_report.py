@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 ROWS = (("u_kv", 1, "U_kv"), ("f_ext", 2, "F_ext"), ("psi", 3, "Ψ"))
-TABLE_KEYS = ("requests", "completed", "failed", "ooms", "preemptions", "ttft_p50_s", "ttft_p99_s",
-              "tpot_p99_s", "goodput_tokens_per_s", "downtime_s")
+TABLE_KEYS = ("requests", "completed", "failed", "rejected", "unfinished", "ooms", "preemptions", "ttft_p50_s",
+              "ttft_p99_s", "tpot_p99_s", "goodput_tokens_per_s", "downtime_s")
 
 
 def write_report(directory: str | Path, result: dict, baseline: Any, guarded: Any) -> Path:

@@ -399,21 +399,7 @@ class PagedPool:
             self._flush_fill()
         pages, page_end, entries = self._pages, self._page_end, table.entries
         rows = self._rows
-        # FreeRunAllocator.take_units inlined: best fit for one unit is the first key, and what
-        # is left of its run stays the first key
-        alloc = self._alloc
-        keys, size_of, start_of_end, k = alloc._keys, alloc._size_of, alloc._start_of_end, alloc._k
-        for _ in range(n):
-            key = keys[0]
-            size, offset = divmod(key, k)
-            del size_of[offset]
-            if size > 1:
-                size_of[offset + 1] = size - 1
-                start_of_end[offset + size] = offset + 1
-                keys[0] = key - k + 1
-            else:
-                del start_of_end[offset + 1]
-                del keys[0]
+        for offset in self._alloc.take_units(n):
             tokens = small if rest > small else rest
             rest -= tokens
             page = _Page(offset, 1, 0, tokens, None, req)
@@ -421,7 +407,6 @@ class PagedPool:
             page_end[offset + 1] = page
             entries.append(page)
             rows += _pack_row(now_ns, _ALLOC, 0, 0, req, offset, 1, tokens, 0)
-        alloc.free_units -= n
         self.live_units += n
         table.n_tokens += total
         self.tokens_stored += total
