@@ -34,6 +34,10 @@ Per tick and node:
    ``prompt_safety_runs`` run requirements, minus the engine's own reserve, capped at
    ``max_headroom_frac`` of D: whatever the engine admits then still fits whole, with one
    step's workspace to spare. The policy learns the size from the traffic, not from a constant.
+   This part of the hold is not released on calm ticks (only when the prompt ages out of the
+   horizon): the burst it guards against lands on a calm node within one tick (measured: a
+   node released after 300 calm seconds crashed 64 s later), and on a calm node it costs
+   nothing, since admission only feels it once the node is ~55 % full.
 6. Compaction trigger (DESIGN §5's "fragmentation" trigger, read on the real need): when the
    largest free run falls under ``planner.compact_run_factor`` run requirements while the free
    space in total is at least that, the structural guard fires and the plan compacts (no
@@ -201,12 +205,17 @@ class PolicyEngine:
         largest prompt seen (plus one run requirement) when that is more, capped."""
         d = self.config.dynamic_units or 0
         target = self.strategy_for(mode).target_u_kv
-        hold = int((1.0 - target) * d)
-        if self.config.prompt_headroom and self._prompt_max:
-            required = self.config.planner.required_run_units
-            by_prompt = max(self._prompt_max.values()) + int(self.config.prompt_safety_runs * required)
-            hold = max(hold, min(by_prompt, int(self.config.max_headroom_frac * d)))
-        return max(0, hold - self.config.engine_reserve_units)
+        return max(int((1.0 - target) * d) - self.config.engine_reserve_units, self.prompt_hold_units())
+
+    def prompt_hold_units(self) -> int:
+        """The hold that lets the largest prompt seen land whole with one run requirement to
+        spare (0 when off or nothing seen), capped at ``max_headroom_frac`` of D."""
+        if not (self.config.prompt_headroom and self._prompt_max):
+            return 0
+        d = self.config.dynamic_units or 0
+        required = self.config.planner.required_run_units
+        by_prompt = max(self._prompt_max.values()) + int(self.config.prompt_safety_runs * required)
+        return max(0, min(by_prompt, int(self.config.max_headroom_frac * d)) - self.config.engine_reserve_units)
 
     def largest_prompt_units(self) -> int:
         """The largest prompt (units) seen within ``prompt_horizon_s`` (0: none yet)."""
@@ -232,7 +241,9 @@ class PolicyEngine:
             want = self.headroom_units(mode)
         else:
             self._calm[view.node] = self._calm.get(view.node, 0) + 1
-            want = 0 if self._calm[view.node] >= self.config.headroom_calm_ticks else held
+            # calm: the strategy's part is released; the prompt-sized part stays, since the
+            # burst it guards against lands on a calm node within one tick
+            want = self.prompt_hold_units() if self._calm[view.node] >= self.config.headroom_calm_ticks else held
         stale = view.ts_ns - last_ns >= self.config.headroom_refresh_s * NS
         if want == held and not (held and stale):
             return None

@@ -310,3 +310,15 @@ def test_the_hold_covers_the_largest_prompt_seen_on_any_node_then_expires():
     e3 = engine(prompt_headroom=False)
     e3.decide(replace(view(u_kv=0.3), candidates=(big_prompt(1, 12000),)))
     assert e3.headroom_units(Mode.DEFAULT) == strategy_hold
+
+
+def test_calm_ticks_release_the_strategys_hold_but_keep_the_prompt_sized_part():
+    e = engine(headroom_calm_ticks=2, prompt_horizon_s=3600.0)
+    first = e.decide(busy(ts_s=10, candidates=(big_prompt(1, 12000),)))
+    assert [c.units_needed for c in first.commands if c.action is Action.HEADROOM] == [3000 + 512 - 600]
+    e2 = engine(headroom_calm_ticks=2, prompt_horizon_s=3600.0, max_headroom_frac=0.2)
+    e2.decide(busy(ts_s=10, candidates=(big_prompt(1, 12000),)))  # prompt hold capped: 2000 - 600
+    strategy_hold = int((1 - DEFAULT.target_u_kv) * D) - 600
+    holds = [[c.units_needed for c in e2.decide(view(ts_ns=int(t * 1e9), u_kv=0.3)).commands
+              if c.action is Action.HEADROOM] for t in (20, 30, 40)]
+    assert holds == [[], [2000 - 600], []] and 2000 - 600 < strategy_hold
