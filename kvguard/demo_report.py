@@ -77,7 +77,7 @@ def _outcomes(path: Path, result: dict) -> None:
     for ax, (key, label) in zip(axes, keys):
         values = [b.get(key) or 0, g.get(key) or 0]
         bars = ax.bar(["baseline", "kvguard"], values, color=["#c44e52", "#4c72b0"])
-        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.bar_label(bars, labels=[f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}" for v in bars.datavalues], fontsize=8)
         ax.set_title(label)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

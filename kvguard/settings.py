@@ -69,6 +69,11 @@ class KafkaSettings(_Section):
     acks: Literal["0", "1", "all"] = "all"
     compression: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
     session_timeout_ms: int = Field(10_000, gt=0)
+    # longest a consumer's fetch waits at the broker for data. Tansu 0.6 holds a fetch for the full
+    # wait even when records arrive meanwhile, so this bounds each consumer hop of the decision
+    # latency (DESIGN §7). Read by the Faust worker (Faust alone would use 1500 ms);
+    # consumer_options["fetch_max_wait_ms"], when given, wins
+    fetch_max_wait_ms: int = Field(50, gt=0)
     heartbeat_interval_ms: int = Field(3_000, gt=0)
     # anything else aiokafka accepts, passed through unchanged (AIOKafkaProducer / AIOKafkaConsumer
     # keyword arguments, e.g. {"metadata_max_age_ms": 5000}); they win over the fields above
@@ -157,6 +162,10 @@ class StreamsSettings(_Section):
     # tier 3: LSTM
     lstm_for_s: float = Field(0.0, ge=0)
     resolve_for_s: float = Field(30.0, ge=0)
+    # Faust worker (streams/app.py), decision latency (DESIGN §7): the agent handles records in
+    # chunks of up to chunk_max_records, waiting at most chunk_max_wait_s to fill one
+    chunk_max_records: int = Field(1000, gt=0)
+    chunk_max_wait_s: float = Field(0.01, gt=0)
 
 
 class PredictorSettings(_Section):

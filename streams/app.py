@@ -29,6 +29,14 @@ Ordering: outputs are sent as they are made; before a checkpoint is written ever
 far is awaited (a checkpoint never gets ahead of the ticks its batches produced), and Faust flushes
 the producer before it commits offsets. Records are handled in chunks of up to ``max_records``.
 
+Latency (DESIGN §7: event → command executed, p99 ≤ 500 ms). A tick leaves as soon as the chunk
+holding its batch is handled: the ticks are sent before any checkpoint wait, which only delays the
+next chunk. What bounds the hop is how long a record waits to be fetched and chunked: Faust's
+consumer fetch wait (Faust hardcodes 1500 ms; Tansu 0.6 holds a fetch that long even when records
+arrive meanwhile, ~600 ms median per record) is set from ``kafka.fetch_max_wait_ms`` (or
+``kafka.consumer_options``), the chunk wait from ``streams.chunk_max_wait_s``, and the output
+producer's linger from ``kafka.linger_ms``.
+
 Topics Faust needs that Tansu will not auto-create are created by ``ensure_topics`` before the
 worker starts: kvguard's topics, the table changelog (as many partitions as the events topic;
 time retention, or compaction on request: see ``internal_topics``) and Faust's
@@ -372,16 +380,60 @@ def _header_pairs(headers) -> list[tuple[str, bytes]]:
     return [(k if isinstance(k, str) else k.decode(), bytes(v) if v is not None else b"") for k, v in items]
 
 
+def fetch_max_wait_ms(settings) -> int:
+    """How long the worker's consumer lets a fetch wait at the broker for data:
+    ``kafka.consumer_options["fetch_max_wait_ms"]`` when given (it wins over the fields, as for
+    every kvguard consumer), else ``kafka.fetch_max_wait_ms``."""
+    value = settings.kafka.consumer_options.get("fetch_max_wait_ms", settings.kafka.fetch_max_wait_ms)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"kafka.consumer_options.fetch_max_wait_ms: must be an int > 0, got {value!r}")
+    return value
+
+
+def _app_class(wait_ms: int):
+    """``faust.App`` whose Kafka consumer lets fetches wait at most ``wait_ms`` at the broker.
+
+    Faust 0.15's aiokafka driver builds its consumer with ``fetch_max_wait_ms=1500`` and no
+    setting for it. On a broker that holds a fetch for the full wait before returning records
+    that arrived meanwhile (Tansu 0.6), that wait is added to the decision latency (DESIGN §7)."""
+    import faust
+    from faust.transport.drivers import aiokafka as driver
+
+    class ConsumerThread(driver.AIOKafkaConsumerThread):
+        def _create_worker_consumer(self, transport):
+            consumer = super()._create_worker_consumer(transport)
+            # read by AIOKafkaConsumer.start() when it builds its fetcher; not started yet here
+            consumer._fetch_max_wait_ms = wait_ms
+            return consumer
+
+    class Consumer(driver.Consumer):
+        def _new_consumer_thread(self):
+            return ConsumerThread(self, loop=self.loop, beacon=self.beacon)
+
+    class Transport(driver.Transport):
+        pass
+
+    Transport.Consumer = Consumer
+
+    class App(faust.App):
+        def _new_transport(self):
+            return Transport(self.conf.broker_consumer, self)
+
+    return App
+
+
 def build_app(settings, *, predictor: Predictor | None = None, app_id: str = DEFAULT_APP_ID,
               datadir: str | None = None, checkpoint_every_ticks: int = 6, config: StreamConfig | None = None,
-              max_records: int = 1000, max_wait_s: float = 0.05):
+              max_records: int | None = None, max_wait_s: float | None = None):
     """A configured Faust app and its ``StreamsWorker``. Connects to nothing until started.
-    The agent handles up to ``max_records`` records at a time (waiting at most ``max_wait_s``)."""
-    import faust
-
+    The agent handles up to ``max_records`` records at a time, waiting at most ``max_wait_s``
+    (default ``streams.chunk_max_records`` / ``streams.chunk_max_wait_s``); outputs go out with
+    the producer linger of ``kafka.linger_ms``."""
     kafka = settings.kafka
+    max_records = settings.streams.chunk_max_records if max_records is None else max_records
+    max_wait_s = settings.streams.chunk_max_wait_s if max_wait_s is None else max_wait_s
     events_partitions = settings.topics.events.partitions
-    app = faust.App(
+    app = _app_class(fetch_max_wait_ms(settings))(
         app_id,
         broker=[f"kafka://{host.strip()}" for host in kafka.bootstrap.split(",")],
         broker_client_id=kafka.client_id,
@@ -398,6 +450,7 @@ def build_app(settings, *, predictor: Predictor | None = None, app_id: str = DEF
         broker_request_timeout=kafka.request_timeout_ms / 1000,
         web_enabled=False,
         stream_wait_empty=False,
+        producer_linger=kafka.linger_ms / 1000,
         processing_guarantee="at_least_once",
     )
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}

@@ -55,7 +55,13 @@ def worker(
 
     from faust import Worker
 
-    from streams.app import build_app, ensure_topics
+    from streams.app import build_app, ensure_topics, fetch_max_wait_ms
+
+    try:
+        fetch_wait_ms = fetch_max_wait_ms(settings)
+    except ValueError as exc:
+        typer.echo(f"config error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
@@ -69,5 +75,7 @@ def worker(
     faust_app, _ = build_app(settings, predictor=predictor, app_id=app_id,
                              datadir=str(datadir) if datadir else None,
                              checkpoint_every_ticks=checkpoint_every_ticks)
-    typer.echo(f"kvguard worker {app_id}: {settings.topics.name('events')} on {settings.kafka.bootstrap}", err=True)
+    typer.echo(f"kvguard worker {app_id}: {settings.topics.name('events')} on {settings.kafka.bootstrap} "
+               f"(fetch wait {fetch_wait_ms} ms, chunks of {settings.streams.chunk_max_records} "
+               f"within {settings.streams.chunk_max_wait_s:g} s)", err=True)
     Worker(faust_app, loop=loop, loglevel=loglevel, quiet=True).execute_from_commandline()
