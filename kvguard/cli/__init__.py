@@ -10,6 +10,7 @@ from kvguard.cli import (  # noqa: F401  (each module registers its commands on 
     metrics,
     node,
     policy,
+    rca,
     simulate,
     topics,
     train,

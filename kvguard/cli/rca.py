@@ -1,0 +1,1 @@
+"""`kvguard rca`."""
