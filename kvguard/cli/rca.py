@@ -1,1 +1,125 @@
-"""`kvguard rca`."""
+"""`kvguard rca`: root-cause analysis of the OOMs in a recorded event log (core: ``kvguard.rca``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from kvguard.cli.app import app
+
+
+@app.command("rca")
+def rca_command(
+    events: Path = typer.Option(..., "--events", help="Event log (gzip JSON lines, from `simulate --events-out`)."),
+    node: str = typer.Option(None, "--node", help="Only this node's OOMs."),
+    model: Path = typer.Option(None, "--model", help="Model artifact for the LSTM tier; default: shipped."),
+    no_lstm: bool = typer.Option(False, "--no-lstm", help="Tiers 1-2 only (no P(OOM))."),
+    tick: str = typer.Option(None, "--tick", help="Tick interval, e.g. 10s (default: settings streams.tick_s)."),
+    window: str = typer.Option("30m", "--window", help="How far back before each OOM the plots reach."),
+    report: Path = typer.Option(None, "--report", help="Directory for rca.md and one PNG per OOM."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+) -> None:
+    """Replay an event log through the stream core and explain each OOM: metrics before it, alert lead
+    times, fragmentation or capacity, and the requests admitted in the minute before."""
+    from rich.console import Console
+
+    from kvguard import rca
+    from kvguard.bootstrap import bootstrap
+    from kvguard.cli.simulate import parse_duration
+    from kvguard.eventlog import EventLogError, read_event_log
+    from kvguard.settings import Settings
+
+    err = Console(stderr=True)
+    window_s = parse_duration(window)
+    settings = Settings.load()
+    if tick is not None:
+        tick_s = parse_duration(tick)
+        settings = settings.model_copy(update={"streams": settings.streams.model_copy(update={"tick_s": tick_s})})
+    if no_lstm and model is not None:
+        raise typer.BadParameter("give --model or --no-lstm, not both", param_hint="--model")
+    predictor = None if no_lstm else (str(model) if model is not None else "shipped")
+    graph = bootstrap(settings, predictor=predictor)
+    if not no_lstm and graph.predictor is None:
+        typer.echo(f"error: {graph.predictor_note}", err=True)
+        raise typer.Exit(2)
+    model_tick = getattr(getattr(graph.predictor, "metadata", None), "tick_s", None)
+    if model_tick is not None and abs(model_tick - settings.streams.tick_s) > 1e-9:
+        err.print(f"[yellow]warning:[/] the model was trained on {model_tick:g} s ticks, replaying at "
+                  f"{settings.streams.tick_s:g} s: P(OOM) is off its calibration")
+    core = graph.stream_core(with_predictor=not no_lstm)
+    try:
+        meta, batches = read_event_log(events)
+        with err.status(f"replaying {events}") as status:
+            rep = rca.replay(batches, core, node=node,
+                             progress=lambda n: status.update(f"replaying {events}: {n:,} events"))
+    except EventLogError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    if node is not None and node not in rep.nodes:
+        typer.echo(f"error: --node {node!r}: not in {events} (nodes: {meta.get('nodes', '?')})", err=True)
+        raise typer.Exit(2)
+    reports = rca.analyse(rep, window_s=window_s)
+    summ = rca.summary(rep, reports)
+    out = {"events": str(events), "meta": meta, "ooms": [r.to_dict() for r in reports],
+           "nodes": rca.node_summaries(rep, reports), "summary": summ, "predictor": graph.predictor_note}
+    if report is not None:
+        report.mkdir(parents=True, exist_ok=True)
+        images = {}
+        for i, r in enumerate(reports):
+            name = f"oom_{i + 1:03d}_{_safe(r.node)}.png"
+            rca.plot_oom(r, rep.nodes[r.node].ticks, str(report / name), window_s=window_s,
+                         other_ooms_ns=[o.ts_ns for o in rep.nodes[r.node].ooms])
+            images[i] = name
+        (report / "rca.md").write_text(rca.markdown(reports, summ, images, str(events)))
+        out["report"] = {"markdown": str(report / "rca.md"), "images": [str(report / n) for n in images.values()]}
+    if as_json:
+        typer.echo(json.dumps(out))
+    else:
+        _print(out, reports)
+
+
+def _safe(node: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in node)
+
+
+def _print(out: dict, reports) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvguard.rca import NS_PER_S
+
+    console = Console()
+    if not console.is_terminal:
+        console.width = 120
+    s = out["summary"]
+    console.print(f"[bold]kvguard rca[/] {out['events']}: {s['ooms']} OOM(s) on {s['nodes']} node(s), "
+                  f"{s['fragmentation_ooms']} from fragmentation  [dim]({out['predictor']})[/]")
+    if not reports:
+        console.print("[green]No OOM in this log.[/]")
+    for i, r in enumerate(reports):
+        kind = "[red]fragmentation OOM[/]" if r.fragmentation else "[magenta]capacity OOM[/]"
+        free = "?" if r.free_units is None else r.free_units
+        console.print(f"\n[bold]OOM {i + 1}[/] {r.node} at t={r.ts_s:.1f} s: {kind} — requested "
+                      f"{r.requested_units} units, largest free run {r.largest_free_run}, free {free}")
+        leads = ", ".join(f"{t.tier} [bold]{t.lead_s:.0f} s[/]" + (f" ({', '.join(t.rules_firing)})" if t.rules_firing
+                                                                   else "") for t in r.tiers.values())
+        console.print(f"  lead time: {leads}")
+        if r.trigger is not None:
+            console.print(f"  likely trigger: request {r.trigger.req}, prompt {r.trigger.prompt_tokens} tokens, "
+                          f"admitted {(r.ts_ns - r.trigger.admit_ts_ns) / NS_PER_S:.1f} s before "
+                          f"({len(r.admitted)} admitted in the minute before)")
+        if not r.last_ticks:
+            console.print("  [dim]no tick before the OOM (the log starts less than a tick before it)[/]")
+            continue
+        table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1))
+        for col in ("t (s)", "U_kv", "F_ext", "F_int", "Ψ", "run/req", "waiting", "P(OOM)"):
+            table.add_column(col, justify="right")
+        for t in r.last_ticks:
+            table.add_row(f"{t.ts_ns / NS_PER_S:.0f}", f"{t.u_kv:.3f}", f"{t.f_ext:.3f}", f"{t.f_int:.3f}",
+                          f"{t.psi:.3f}", f"{t.largest_free_run_units}/{r.requested_units}", str(t.requests_waiting),
+                          "-" if t.p_oom is None else f"{t.p_oom:.3f}")
+        console.print(table)
+    if "report" in out:
+        console.print(f"\nreport: {out['report']['markdown']}")
