@@ -194,7 +194,8 @@ class ExportState:
             series.budget[week] = float(alert.threshold) - float(alert.value)
 
     def observe_ack(self, ack: Any, now_ns: int) -> bool:
-        if not self._acks_seen.add((_required(ack, "node"), _required(ack, "command_id"))):
+        # an actuator acks a redelivered command again with outcome "duplicate": a distinct ack
+        if not self._acks_seen.add((_required(ack, "node"), _required(ack, "command_id"), ack.outcome)):
             self.counters.acks_duplicate += 1
             return False
         series = self._node(ack.node, now_ns)

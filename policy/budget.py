@@ -327,6 +327,8 @@ class LedgerStats:
     buffer_max: int = 0
     dropped: int = 0
     replayed: int = 0
+    # refusals Redis answered (READONLY, OOM, WRONGTYPE…): transient ones are also buffered and
+    # retried, so a failover counts once per attempt; the rest are dropped (logged at ERROR)
     errors: int = 0
 
     def to_dict(self) -> dict[str, Any]:

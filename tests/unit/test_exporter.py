@@ -142,6 +142,17 @@ def test_acks_and_dlq_records_are_counted_once_per_identity():
     assert value(samples, "kvguard_dlq_records_total", reason="malformed") == 1
 
 
+def test_a_redelivered_command_acked_as_duplicate_counts_as_its_own_outcome():
+    state = ExportState()
+    executed = Ack(command_id="c1", node="n", outcome="executed", executed_at_ns=1, action="evict")
+    duplicate = executed.model_copy(update={"outcome": "duplicate"})
+    assert state.observe_ack(executed, now_ns=0) and state.observe_ack(duplicate, now_ns=0)
+    assert not state.observe_ack(duplicate, now_ns=0)
+    samples, _, _ = parse(state.render(now_ns=0))
+    assert value(samples, "kvguard_acks_total", node="n", action="evict", outcome="executed") == 1
+    assert value(samples, "kvguard_acks_total", node="n", action="evict", outcome="duplicate") == 1
+
+
 def test_firing_gauge_follows_firing_and_resolved_alerts():
     state = ExportState()
     fired = Alert(node="n", ts_ns=NS, name="KVCacheUsageHigh", tier="threshold", severity="warning")
