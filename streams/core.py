@@ -10,9 +10,12 @@ between are emitted too (an idle GPU still ticks), up to ``max_idle_ticks`` in a
 silence skips ahead (counted in ``NodeState.skipped_ticks``). ``flush(now_ns)`` emits the ticks whose
 boundary is ≤ ``now_ns`` for nodes whose events stopped.
 
-Batches of one node must come in ``seq`` order: a repeated or older ``seq`` is a redelivery and is
-skipped (counted); a gap or a new ``epoch`` marks the mirror unsynced until the next SNAPSHOT with
-state. A node's first batch with ``seq == 0`` starts from an empty pool (synced).
+Batches of one node must come in ``(epoch, seq)`` order: a repeated or older ``seq`` is a redelivery
+and is skipped (counted), and so is a batch of an older ``epoch``; a ``seq`` gap marks the mirror
+unsynced until the next SNAPSHOT with state. A node's first batch with ``seq == 0`` starts from an
+empty pool (synced). A newer ``epoch`` is a producer restart (its simulated or engine clock may
+start over): the node starts over as if first seen, with a fresh mirror, tick clock, slope window,
+feature history and predictor state, its alert timers rebased (counted in ``NodeState.restarts``).
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ class NodeState:
         self.dropped_without_geometry = 0
         self.last_oom_ns: int | None = None  # the node's last OOM event (for ``Tick.s_since_oom``)
         self.resets = 0  # bumped whenever the mirror may have lost events: the predictor's state is stale
+        self.restarts = 0  # producer restarts seen (a batch of a newer epoch)
 
     # ---------------------------------------------------------------- batches
     def accept(self, batch: EventBatch, last_seq: int | None = None) -> list[Tick]:
@@ -167,6 +171,8 @@ class NodeState:
         self.events_since_tick += stop - start
 
     def _check_sequence(self, batch: EventBatch) -> bool:
+        if self.epoch is not None and batch.epoch > self.epoch:
+            self._restart(batch)
         geometry = batch.geometry
         if geometry is not None and (self.mirror is None or self.mirror.geometry != geometry):
             self.mirror = AllocatorMirror(geometry, reserved_frac=self.config.reserved_frac,
@@ -184,14 +190,33 @@ class NodeState:
         if self.mirror is not None:
             if first and batch.seq != 0:
                 self._unsynced(f"node {self.node}: first batch seen has seq {batch.seq}")
-            elif not first and batch.epoch != self.epoch:
-                self.gaps += 1
-                self._unsynced(f"node {self.node}: new producer epoch {batch.epoch}")
             elif not first and batch.seq != self.seq + 1:
                 self.gaps += 1
                 self._unsynced(f"node {self.node}: seq gap {self.seq} -> {batch.seq}")
         self.epoch, self.seq = batch.epoch, batch.seq
         return True
+
+    def _restart(self, batch: EventBatch) -> None:
+        """A producer restart (a newer epoch): forget everything of the old run except the counters,
+        so the batch is handled like the node's first one. The geometry is kept for a restart
+        batch without one (a fresh, empty pool then; unsynced unless the batch has ``seq == 0``)."""
+        old_epoch = self.epoch
+        geometry = self.mirror.geometry if self.mirror is not None and batch.geometry is None else None
+        self.mirror = None if geometry is None else AllocatorMirror(
+            geometry, reserved_frac=self.config.reserved_frac, alpha=self.config.alpha, beta=self.config.beta)
+        self.epoch = self.seq = None
+        self.next_boundary_ns = self.max_ts_ns = None
+        self.slope_points.clear()
+        self.features = FeatureHistory(self.config.window_ticks)
+        self._mark = np.zeros_like(self._mark)
+        self.events_since_tick = 0
+        self.last_oom_ns = None
+        for rule_state in self.alerts.states.values():  # timers of the old clock; firing stays firing
+            rule_state.pending_since = rule_state.clear_since = None
+        self.restarts += 1
+        self.resets += 1  # the predictor forgets the node
+        log.warning("node %s: producer restart, epoch %s -> %d (seq %d): state starts over",
+                    self.node, old_epoch, batch.epoch, batch.seq)
 
     def _unsynced(self, reason: str) -> None:
         self.mirror.mark_unsynced(reason)
@@ -256,7 +281,7 @@ class NodeState:
         since_oom = SINCE_OOM_CAP_S if self.last_oom_ns is None else min(
             SINCE_OOM_CAP_S, max(0.0, (ts_ns - self.last_oom_ns) / NS_PER_S))
         tick = Tick(
-            node=self.node, ts_ns=ts_ns, tick_s=cfg.tick_s, synced=m.synced,
+            node=self.node, ts_ns=ts_ns, epoch=self.epoch or 0, tick_s=cfg.tick_s, synced=m.synced,
             u_kv=pm.u_kv, f_ext=pm.f_ext, f_int=pm.f_int, psi=pm.psi, slope_per_min=slope,
             live_units=pm.live_units, cached_units=pm.cached_units, retained_units=pm.retained_units,
             workspace_units=pm.workspace_units, free_units=pm.free_units,
@@ -323,7 +348,7 @@ class NodeState:
             "events_since_tick": self.events_since_tick, "duplicates": self.duplicates,
             "gaps": self.gaps, "skipped_ticks": self.skipped_ticks,
             "dropped_without_geometry": self.dropped_without_geometry,
-            "last_oom_ns": self.last_oom_ns, "resets": self.resets,
+            "last_oom_ns": self.last_oom_ns, "resets": self.resets, "restarts": self.restarts,
             "geometry": None if self.mirror is None else self.mirror.geometry.to_dict(),
         }
         arrays = {"header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
@@ -352,6 +377,7 @@ class NodeState:
         st.duplicates, st.gaps = h["duplicates"], h["gaps"]
         st.skipped_ticks, st.dropped_without_geometry = h["skipped_ticks"], h["dropped_without_geometry"]
         st.last_oom_ns, st.resets = h.get("last_oom_ns"), int(h.get("resets", 0))
+        st.restarts = int(h.get("restarts", 0))
         if h["geometry"] is not None:
             st.mirror = AllocatorMirror.from_state_arrays(
                 Geometry.from_dict(h["geometry"]),

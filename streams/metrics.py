@@ -91,6 +91,7 @@ class Tick:
     candidates: list[Candidate] = field(default_factory=list)
     requests_waiting: int = 0  # arrived, not admitted (or preempted back), not finished, at ts_ns
     s_since_oom: float = SINCE_OOM_CAP_S  # seconds since the node's last OOM before ts_ns, capped
+    epoch: int = 0  # the producer run the tick belongs to: ts_ns orders ticks only within one epoch
 
     @property
     def ts_s(self) -> float:

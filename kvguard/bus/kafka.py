@@ -277,6 +277,8 @@ class KafkaSubscription:
             "auto_offset_reset": "earliest",
             "session_timeout_ms": kafka.session_timeout_ms,
             "heartbeat_interval_ms": kafka.heartbeat_interval_ms,
+            # how long a fetch may wait at the broker for records: each hop of a decision adds it
+            "fetch_max_wait_ms": kafka.fetch_max_wait_ms,
             **kafka.consumer_options,
             **self.options,
         }
