@@ -10,6 +10,10 @@ into per-node series and renders them in the Prometheus text exposition format (
   bounded per node (``dedupe_ticks``); a tick older than everything it remembers is treated as
   already counted (one node's ticks arrive in order on one partition, so such a tick is a
   redelivery);
+- a node's ticks are ordered by (producer ``epoch``, ts_ns): a tick of a newer epoch is a
+  restarted node whose event time starts over, so the node's tick series start over with it
+  (gauges take its values, counters restart at its deltas: a counter reset to Prometheus); a
+  tick of an older epoch is ignored (stale, not counted);
 - a node not heard from for ``ttl_s`` of wall time (the ``now_ns`` callers pass) is dropped with
   all its series, so Prometheus sees it go stale instead of a frozen value.
 
@@ -73,6 +77,7 @@ class ExportError(ValueError):
 
 @dataclass(slots=True)
 class _NodeSeries:
+    epoch: int = 0  # producer epoch of the ticks shown
     last_ts_ns: int = -1
     last_seen_ns: int = 0
     gauges: dict[str, float] = field(default_factory=dict)
@@ -108,6 +113,8 @@ class ObserveCounters:
     ticks: int = 0
     ticks_stale: int = 0  # older than the gauge shown (gauges kept)
     ticks_duplicate: int = 0  # (node, ts_ns) already counted
+    ticks_old_epoch: int = 0  # of a producer epoch older than the node's (ignored)
+    node_restarts: int = 0  # ticks of a newer epoch: the node's tick series started over
     alerts: int = 0
     alerts_stale: int = 0  # older than the newest transition of the same alert (ignored)
     acks: int = 0
@@ -147,8 +154,14 @@ class ExportState:
     def observe_tick(self, tick: Any, now_ns: int) -> bool:
         """Fold one ``MetricTick``; True when it was new (counted). ``now_ns`` is wall time (TTL)."""
         node, ts_ns = _required(tick, "node"), int(_required(tick, "ts_ns"))
+        epoch = int(getattr(tick, "epoch", 0) or 0)
         series = self._node(node, now_ns)
         self.counters.ticks += 1
+        if epoch < series.epoch:
+            self.counters.ticks_old_epoch += 1
+            return False
+        if epoch > series.epoch:
+            self._restart(series, epoch)
         if ts_ns > series.last_ts_ns:
             series.last_ts_ns = ts_ns
             for name, (attr, _) in TICK_GAUGES.items():
@@ -173,6 +186,18 @@ class ExportState:
                 raise ExportError(f"{attr}", f"per-tick count must be >= 0, got {delta} (node {node}, ts_ns {ts_ns})")
             series.counters[name] = series.counters.get(name, 0.0) + float(delta)
         return True
+
+    def _restart(self, series: _NodeSeries, epoch: int) -> None:
+        """The node's producer restarted: its tick series (and the event times they are ordered
+        by, alert transitions' included) start over; firing alerts and the budget stay."""
+        if series.last_ts_ns >= 0:
+            self.counters.node_restarts += 1
+        series.epoch, series.last_ts_ns = epoch, -1
+        series.gauges.clear()
+        series.counters.clear()
+        series.seen_ts.clear()
+        series.seen_order.clear()
+        series.alert_ts.clear()
 
     def observe_alert(self, alert: Any, now_ns: int) -> None:
         """Track firing alerts per node and, from budget-tier alerts, the budget left."""

@@ -252,6 +252,9 @@ class MetricTick(WireModel):
 
     node: str = Field(min_length=1)
     ts_ns: int
+    # the producer run (``EventBatch.epoch``): ts_ns orders a node's ticks only within one epoch; a
+    # newer epoch is a restarted node whose clock may start over (0: records from before the field)
+    epoch: int = Field(0, ge=0)
     u_kv: float
     f_ext: float
     f_int: float

@@ -112,6 +112,7 @@ class EngineCounters:
     no_candidate: int = 0
     headroom_commands: int = 0
     stale_ticks: int = 0  # duplicate or out-of-order ticks skipped (a redelivery after recovery)
+    restarts: int = 0  # ticks of a newer producer epoch: the node restarted, its policy state started over
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -128,6 +129,7 @@ class PolicyEngine:
         self._held: dict[str, tuple[int, int]] = {}  # node -> (units held, ts_ns of the last command)
         self._calm: dict[str, int] = {}
         self._last_ts: dict[str, int] = {}  # node -> ts_ns of the last tick decided on
+        self._epoch: dict[str, int] = {}  # node -> producer epoch of the last tick decided on
         self._prompt_max: dict[int, int] = {}  # minute of event time -> largest prompt seen (units)
 
     def strategy_for(self, mode: Mode) -> Strategy:
@@ -136,19 +138,32 @@ class PolicyEngine:
     def decide(self, tick: Any, *, budget_remaining_frac: float | None = None) -> Decision:
         """Commands for one tick of one node. ``tick``: a ``streams.metrics.Tick`` or a ``NodeView``.
 
-        A tick at or before the node's last decided tick (a redelivered duplicate, or an older
-        tick replayed after a consumer recovery) is skipped and counted in ``stale_ticks``: it
-        would move the mode tracker's dwell time and the scan clock backwards and count the
-        same rise or calm tick twice. Its decision carries no commands and ``stale=True``.
+        Ticks are ordered per node by (producer epoch, ts_ns). A tick at or before the node's
+        last decided tick (a redelivered duplicate, or an older tick replayed after a consumer
+        recovery), or of an older epoch, is skipped and counted in ``stale_ticks``: it would move
+        the mode tracker's dwell time and the scan clock backwards and count the same rise or
+        calm tick twice. Its decision carries no commands and ``stale=True``. A tick of a newer
+        epoch is a restarted node (its clock may start over at 0): the node's policy state
+        (mode, last tick, scan clock, recent victims, admission hold) starts over, counted in
+        ``restarts``. A ``NodeView`` carries no epoch: it is taken as the node's current one.
         """
         view = tick if isinstance(tick, NodeView) else view_from_tick(
             tick, dynamic_units=self.config.dynamic_units, unit_tokens=self.config.unit_tokens)
+        epoch = _epoch_of(tick)
+        known = self._epoch.get(view.node)
+        if epoch is None:
+            epoch = 0 if known is None else known
+        if known is not None and epoch > known:
+            self._restart(view.node)
         last = self._last_ts.get(view.node)
-        if last is not None and view.ts_ns <= last:
+        older_epoch = known is not None and epoch < known
+        if older_epoch or (last is not None and view.ts_ns <= last):
             self.counters.stale_ticks += 1
             mode = self.modes.mode(view.node)
-            return Decision(view.node, view.ts_ns, mode, self.strategy_for(mode).variant,
-                            reason=f"stale tick: ts_ns {view.ts_ns} <= last decided {last}", stale=True)
+            why = (f"stale tick: epoch {epoch} < current {known}" if older_epoch
+                   else f"stale tick: ts_ns {view.ts_ns} <= last decided {last}")
+            return Decision(view.node, view.ts_ns, mode, self.strategy_for(mode).variant, reason=why, stale=True)
+        self._epoch[view.node] = epoch
         self._last_ts[view.node] = view.ts_ns
         self.counters.ticks += 1
         self._note_prompts(view)
@@ -181,10 +196,19 @@ class PolicyEngine:
             if view.u_kv >= self.config.headroom_from_u_kv else None)
         decision.reason, decision.plan = at_risk, the_plan
         headroom = self._headroom(view, mode, at_risk)
-        decision.commands = self._commands(view, strategy, mode, the_plan, headroom, at_risk or "pressure fell")
+        decision.commands = self._commands(view, strategy, mode, the_plan, headroom, at_risk or "pressure fell",
+                                           epoch)
         if any(c.action is not Action.HEADROOM for c in decision.commands):
             self.modes.note_action(view.node, view.ts_ns)
         return decision
+
+    def _restart(self, node: str) -> None:
+        """Forget a restarted node's policy state: its new run starts in DEFAULT mode, on a new
+        clock, with no hold in place on its fresh engine."""
+        self.counters.restarts += 1
+        self.modes._nodes.pop(node, None)  # ModeTracker has no public forget (policy/modes.py)
+        for per_node in (self._last_ts, self._last_scan_ns, self._recent, self._held, self._calm):
+            per_node.pop(node, None)
 
     def _contiguity_risk(self, view: NodeView) -> str | None:
         """The tick's own forecast: will the next full step find one contiguous run?"""
@@ -280,7 +304,7 @@ class PolicyEngine:
     # -- what to send ------------------------------------------------------------------------
 
     def _commands(self, view: NodeView, strategy: Strategy, mode: Mode, the_plan: Plan,
-                  headroom: int | None, reason: str) -> list[Command]:
+                  headroom: int | None, reason: str, epoch: int = 0) -> list[Command]:
         ttl_ns = int(self.config.command_ttl_s * NS)
         common = dict(node=view.node, granularity=strategy.granularity, handling=strategy.handling,
                       reason=reason, mode=mode, variant=strategy.variant,
@@ -299,8 +323,11 @@ class PolicyEngine:
             drafts.append(Command(id="", action=Action.EVICT, targets=targets,
                                   units_needed=the_plan.units_needed, **common))
         out = []
+        # a restarted node's clock starts over: its epoch keeps its ids apart from the old run's
+        # (which its actuator's journal may still hold); epoch 0 keeps the plain (node, ts) ids
+        id_node = f"{view.node}#{epoch}" if epoch else view.node
         for position, draft in enumerate(drafts):
-            cid = command_id(view.node, view.ts_ns, draft.action, position)
+            cid = command_id(id_node, view.ts_ns, draft.action, position)
             cmd = sign(replace(draft, id=cid), self.secret)
             out.append(cmd)
             self.counters.commands += 1
@@ -321,6 +348,15 @@ class PolicyEngine:
         for req in [r for r, ts in recent.items() if ts < horizon]:
             del recent[req]
         return recent
+
+
+def _epoch_of(tick: Any) -> int | None:
+    """The producer epoch a tick (``Tick``, ``MetricTick`` or mapping) carries; None for a
+    ``NodeView``, which has none. A tick record from before the field counts as epoch 0."""
+    if isinstance(tick, NodeView):
+        return None
+    value = tick.get("epoch", 0) if isinstance(tick, dict) else getattr(tick, "epoch", 0)
+    return int(value or 0)
 
 
 def trigger_reason(view: NodeView, strategy: Strategy, forecast_step_s: float,

@@ -6,6 +6,11 @@ publisher; the actuator consumes the node's commands from ``kvguard.commands``, 
 the engine between its steps (``Engine.now_ns`` is the node's clock for TTLs) and acks on
 ``kvguard.acks``. Executed actions are pool events like any other and reach ``kvguard.events``
 with the next batch. ``--no-actuator`` runs the bare engine (a baseline).
+
+Each ``kvguard node`` process is one producer run: its batches carry a fresh, increasing
+``epoch`` (the wall clock in ns at its start), since its simulated clock starts at 0 again. The
+stream, the policy and the exporter take a newer epoch as the node restarted and start its state
+over; with the seed as epoch a restarted node's batches would be dropped as redeliveries.
 """
 
 from __future__ import annotations
@@ -25,16 +30,22 @@ from kvguard.cli.app import app
 async def run_node(graph: Any, bus: Any, workload: Any, *, n_gpus: int, duration_s: float, speed: float,
                    seed: int = 0, host: str = "sim-0", actuate: bool = True, journal_dir: str | Path | None = None,
                    step_wall_s: float = 0.05, on_progress: Any = None, acks_out: list | None = None,
-                   on_ack: Any = None, on_batches: Any = None) -> dict:
+                   on_ack: Any = None, on_batches: Any = None, epoch: int | None = None) -> dict:
     """Run the node until ``duration_s`` of simulated time; returns the summary dict.
     ``on_ack(ack)`` sees each ack, ``on_batches(batches)`` each list of event batches published
-    (the demo reads the FINISH rows of evicted requests from them)."""
+    (the demo reads the FINISH rows of evicted requests from them). ``epoch``: the producer run
+    the batches carry (None: the seed, so logs stay deterministic; a restartable node passes a
+    newer one on every start)."""
     from actuators.actuator import run_actuators
     from producers.engine import NS
     from producers.publisher import NodePublisher
 
     settings = graph.settings
     fleet = graph.fleet(n_gpus, seed=seed, host=host)
+    if epoch is not None:
+        if epoch < 0:
+            raise ValueError(f"epoch: expected >= 0, got {epoch}")
+        fleet.epoch = epoch
     fleet.submit_workload(workload)
     engines = {e.node: e for e in fleet.engines}
     clock = {"sim_ns": 0}
@@ -82,7 +93,7 @@ async def run_node(graph: Any, bus: Any, workload: Any, *, n_gpus: int, duration
             await asyncio.gather(task, return_exceptions=True)
     wall = time.perf_counter() - wall0
     out = fleet.summary().to_dict()
-    out.update({"gpus": n_gpus, "host": host, "speed": speed, "wall_seconds": round(wall, 3),
+    out.update({"gpus": n_gpus, "host": host, "epoch": fleet.epoch, "speed": speed, "wall_seconds": round(wall, 3),
                 "nodes": fleet.nodes, "publisher": publisher.counters.as_dict()})
     if acks:
         import numpy as np
@@ -135,11 +146,15 @@ def node(
     typer.echo(f"kvguard node {host}: {gpus} GPU(s), {len(wl.requests)} requests over {duration_s:g} s at "
                f"{speed:g}x, actuator {'off' if no_actuator else 'on'}", err=True)
 
+    # this process is a new producer run: its simulated clock starts at 0, so its batches must carry
+    # an epoch newer than any earlier run of the same host (the edge may read the clock)
+    epoch = time.time_ns()
+
     async def main() -> dict:
         await carrier.start()
         try:
             return await run_node(graph, carrier, wl, n_gpus=gpus, duration_s=duration_s, speed=speed, seed=seed,
-                                  host=host, actuate=not no_actuator, journal_dir=journal_dir)
+                                  host=host, actuate=not no_actuator, journal_dir=journal_dir, epoch=epoch)
         finally:
             await carrier.stop()
 

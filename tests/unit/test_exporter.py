@@ -104,6 +104,25 @@ def test_redelivered_ticks_are_counted_once():
     assert state.counters.ticks_duplicate == 6
 
 
+def test_a_restarted_node_newer_epoch_resets_its_series_and_older_epochs_are_ignored():
+    state = ExportState()
+    for ts_s in (590, 600):
+        state.observe_tick(tick(ts_s=ts_s, u_kv=0.9, ooms=1, epoch=1), now_ns=0)
+    # the node restarts: its event time starts over, its ticks carry a newer epoch
+    assert state.observe_tick(tick(ts_s=10, u_kv=0.3, ooms=1, epoch=2), now_ns=0) is True
+    samples, _, _ = parse(state.render(now_ns=0))
+    assert value(samples, "kvguard_u_kv", node="sim-0/gpu0") == 0.3
+    assert value(samples, "kvguard_tick_timestamp_seconds", node="sim-0/gpu0") == 10
+    assert value(samples, "kvguard_ooms_total", node="sim-0/gpu0") == 1, "a counter reset"
+    state.observe_tick(tick(ts_s=20, u_kv=0.4, ooms=1, epoch=2), now_ns=0)
+    assert state.observe_tick(tick(ts_s=610, u_kv=0.99, ooms=5, epoch=1), now_ns=0) is False  # the old run, late
+    samples, _, _ = parse(state.render(now_ns=0))
+    assert value(samples, "kvguard_u_kv", node="sim-0/gpu0") == 0.4
+    assert value(samples, "kvguard_ooms_total", node="sim-0/gpu0") == 2
+    assert state.counters.node_restarts == 1 and state.counters.ticks_old_epoch == 1
+    assert state.counters.ticks_stale == 0 and state.counters.ticks_duplicate == 0
+
+
 def test_a_tick_older_than_the_bounded_dedupe_window_counts_as_already_seen():
     state = ExportState(dedupe_ticks=4)
     for ts_s in range(1, 11):

@@ -322,3 +322,32 @@ def test_calm_ticks_release_the_strategys_hold_but_keep_the_prompt_sized_part():
     holds = [[c.units_needed for c in e2.decide(view(ts_ns=int(t * 1e9), u_kv=0.3)).commands
               if c.action is Action.HEADROOM] for t in (20, 30, 40)]
     assert holds == [[], [2000 - 600], []] and 2000 - 600 < strategy_hold
+
+
+def tick_record(ts_s, epoch, **changes) -> dict:
+    """A tick as it arrives from the bus (a mapping), with its producer epoch."""
+    from dataclasses import asdict, fields
+
+    v = busy(ts_s=ts_s, **changes)
+    d = {f.name: getattr(v, f.name) for f in fields(NodeView) if f.name != "candidates"}
+    return {**d, "epoch": epoch, "candidates": [asdict(c) for c in v.candidates]}
+
+
+def test_a_restarted_node_newer_epoch_is_decided_on_from_its_new_clock():
+    e = engine()
+    before = e.decide(tick_record(600, epoch=1, u_kv=0.95, ooms=1))
+    assert before.mode is Mode.EMERGENCY and before.commands
+    assert e.decide(tick_record(600, epoch=1, u_kv=0.95)).stale
+    # the node restarts: its clock starts over, its ticks carry a newer epoch
+    after = e.decide(tick_record(10, epoch=2, u_kv=0.95))
+    assert not after.stale and after.mode is Mode.DEFAULT and e.counters.restarts == 1
+    actions = [c.action for c in after.commands]
+    assert Action.HEADROOM in actions, "the fresh engine holds nothing: the hold is sent again"
+    assert all(verify(c, SECRET) and c.issued_at_ns == 10 * 10**9 for c in after.commands)
+    same_ts_old_epoch = engine().decide(tick_record(10, epoch=1, u_kv=0.95)).commands
+    assert not {c.id for c in after.commands} & {c.id for c in same_ts_old_epoch}, "ids differ per epoch"
+    assert not e.decide(tick_record(20, epoch=2, u_kv=0.95)).stale
+    # the old run is over: its late ticks are stale, whatever their time
+    late = e.decide(tick_record(900, epoch=1, u_kv=0.95))
+    assert late.stale and late.commands == [] and "epoch" in late.reason
+    assert e.counters.stale_ticks == 2 and e.counters.restarts == 1

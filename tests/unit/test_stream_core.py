@@ -266,3 +266,52 @@ def test_metrics_cli_prints_tick_and_alert_lines_for_an_event_log(tmp_path):
     bad = CliRunner().invoke(app, ["metrics", "--events", str(tmp_path / "missing.gz"), "--json"])
     assert bad.exit_code == 2 and "no such file" in bad.output
     assert CliRunner().invoke(app, ["metrics", "--events", str(path), "--tick", "soon"]).exit_code == 2
+
+
+class SteppingPredictor(ConstantPredictor):
+    """Stateful scoring: records which nodes were primed, stepped and forgotten."""
+
+    def __init__(self):
+        super().__init__()
+        self.log = []
+
+    def prime(self, nodes, windows):
+        self.log += [("prime", n) for n in nodes]
+        return self.predict(windows)
+
+    def step(self, nodes, x):
+        self.log += [("step", n) for n in nodes]
+        return np.full(len(nodes), 0.75), np.repeat(x[:, :1], 3, axis=1)
+
+    def forget(self, node):
+        self.log.append(("forget", node))
+
+
+def test_a_producer_restart_with_a_newer_epoch_starts_the_node_over_on_its_new_clock():
+    first, _ = drive(seed=3, seconds=300)
+    second, expected = drive(seed=5, seconds=120)  # the restarted node: its clock starts at 0 again
+    pred = SteppingPredictor()
+    core = StreamCore(StreamConfig(), predictor=pred, stateful=True)
+    old = batches_of(first.events(), "n", first.g, list(range(40, len(first.rows), 40)), epoch=7)
+    ticks_old = [t for b in old for t in core.process(b)[0]]
+    st = core.nodes["n"]
+    assert ticks_old[-1].ts_ns > 200 * NS and {t.epoch for t in ticks_old} == {7}
+    new_events = second.events()
+    new = batches_of(new_events, "n", second.g, list(range(40, len(second.rows), 40)), epoch=8)
+    ticks_new = [t for b in new for t in core.process(b)[0]]
+    assert st.restarts == 1 and st.epoch == 8 and st.duplicates == 0
+    got = {t.ts_ns: t for t in ticks_new}
+    assert set(got) == {b for b in expected if b <= int(new_events["ts_ns"][-1])}
+    assert min(got) == 10 * NS
+    for b, t in got.items():  # a fresh mirror: exactly the new run's state, synced, epoch 8
+        assert (t.u_kv, t.f_ext, t.psi) == (expected[b]["u_kv"], expected[b]["f_ext"], expected[b]["psi"])
+        assert t.synced and t.epoch == 8
+    # slope and features start over: the first new tick has no history of the old run
+    assert ticks_new[0].slope_per_min == 0.0 and st.features.count == len(ticks_new)
+    assert pred.log.count(("forget", "n")) == 1
+    assert pred.log[pred.log.index(("forget", "n")) + 1] == ("prime", "n")
+    # a late batch of the old run is stale: dropped, nothing changes
+    late = EventBatch("n", len(old), first.events()[-3:], epoch=7)
+    assert core.process(late) == ([], []) and st.duplicates == 1 and st.epoch == 8
+    # the counter survives the changelog
+    assert NodeState.from_bytes(st.to_bytes(), core.config).restarts == 1
