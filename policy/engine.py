@@ -206,7 +206,7 @@ class PolicyEngine:
         """Forget a restarted node's policy state: its new run starts in DEFAULT mode, on a new
         clock, with no hold in place on its fresh engine."""
         self.counters.restarts += 1
-        self.modes._nodes.pop(node, None)  # ModeTracker has no public forget (policy/modes.py)
+        self.modes.forget(node)
         for per_node in (self._last_ts, self._last_scan_ns, self._recent, self._held, self._calm):
             per_node.pop(node, None)
 

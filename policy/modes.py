@@ -71,6 +71,10 @@ class ModeTracker:
         state = self._nodes.get(node)
         return state.mode if state else Mode.DEFAULT
 
+    def forget(self, node: str) -> None:
+        """Drop a node's mode state (it restarted: its clock starts over in DEFAULT)."""
+        self._nodes.pop(node, None)
+
     def note_action(self, node: str, ts_ns: int) -> None:
         self._state(node).last_action_ns = ts_ns
 
