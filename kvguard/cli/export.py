@@ -39,7 +39,8 @@ def export(
 ) -> None:
     """Serve kvguard's metrics to Prometheus and forward its alerts to Alertmanager (and a webhook)."""
     import logging
-    import signal
+
+    from kvguard.cli._service import stop_event
 
     from kvguard.bootstrap import BootstrapError, make_bus
     from kvguard.export_service import EXPORT_KINDS, ExportService
@@ -60,12 +61,7 @@ def export(
         raise typer.Exit(2) from None
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        if max_seconds is not None:
-            loop.call_later(max_seconds, stop.set)
+        stop = stop_event(max_seconds)
         await carrier.start()
         try:
             async with service:

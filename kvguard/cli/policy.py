@@ -30,7 +30,8 @@ def policy(
 ) -> None:
     """Run the policy engine: ticks in, signed commands out."""
     import logging
-    import signal
+
+    from kvguard.cli._service import stop_event
 
     from kvguard.bootstrap import BootstrapError, bootstrap, make_bus, make_ledger, make_slo_ledger
     from kvguard.settings import ConfigError, Settings
@@ -50,12 +51,7 @@ def policy(
     service = graph.policy_service()
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        if max_seconds is not None:
-            loop.call_later(max_seconds, stop.set)
+        stop = stop_event(max_seconds)
         await carrier.start()
         typer.echo(f"kvguard policy: {settings.topics.name('metrics')} -> {settings.topics.name('commands')} "
                    f"({'redis' if redis else 'memory'} budget ledger)", err=True)
