@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import heapq
 import json
-from bisect import bisect_left, insort
 import os
 import struct
 from collections import OrderedDict
@@ -511,14 +510,14 @@ class PagedPool:
         if table is None:
             return 0
         # The common page (held by req alone, unhashed) is freed inline: the same rows and free
-        # runs as ``_drop_ref``, with ``FreeRunAllocator.free_many`` inlined (best fit: no list
-        # of starts to keep).
+        # runs as ``_drop_ref``, its units returned with one ``free_many`` call (best fit only:
+        # no list of starts to keep).
         freed = tokens = units = 0
         pages, page_end = self._pages, self._page_end
         alloc = self._alloc
         inline = alloc._starts is None
         rows = self._rows  # appended in place: the same buffer _emit writes to
-        keys, size_of, start_of_end, k = alloc._keys, alloc._size_of, alloc._start_of_end, alloc._k
+        blocks: list[tuple[int, int]] = []  # freed in one call after the loop: coalescing is order-free
         for entry in reversed(table.entries):
             if type(entry) is _Page:
                 holders = entry.holders
@@ -534,23 +533,13 @@ class PagedPool:
                     if self._pending_fill:
                         self._flush_fill()
                     rows += _pack_row(now_ns, _FREE, entry.cls, 0, req, start, size, n, 0)
-                    left = start_of_end.pop(start, None)
-                    if left is not None:
-                        del keys[bisect_left(keys, (start - left) * k + left)]
-                        start = left
-                    right = size_of.pop(end, None)
-                    if right is not None:
-                        del keys[bisect_left(keys, right * k + end)]
-                        end += right
-                    start_of_end[end] = start
-                    size_of[start] = end - start
-                    insort(keys, (end - start) * k + start)
+                    blocks.append((start, size))
                 else:
                     freed += self._drop_ref(entry, req, now_ns, cache_prefix)
             else:
                 freed += self._discard_evicted(entry, req, now_ns)
         if units:
-            alloc.free_units += units
+            alloc.free_many(blocks)
             self.live_units -= units
             self.tokens_stored -= tokens
         return freed + units
