@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from actuators.executor import Executor
-from policy.commands import Ack, AckOutcome, Command, CommandError, verify
+from kvguard.actuators.executor import Executor
+from kvguard.contracts.commands import Ack, AckOutcome, Command, CommandError, verify
 
 log = logging.getLogger(__name__)
 
@@ -192,8 +192,8 @@ async def run_actuators(bus: Any, settings: Any, actuators: Mapping[str, Actuato
     to another node process). Acks go to ``kvguard.acks`` keyed by node.
     """
     from kvguard.bus.dlq import RecordDecoder
-    from kvguard.schemas import make_headers
-    from policy.service import deliver_all
+    from kvguard.wire.schemas import make_headers
+    from kvguard.policy.service import deliver_all
 
     commands_topic = settings.topics.name("commands")
     acks_topic = settings.topics.name("acks")

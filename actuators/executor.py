@@ -28,10 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvguard.events import Handling
-from policy.commands import AckOutcome, Action, Command, Target
-from producers.pool_types import PageState, SwapFull, UnknownRequest
-from policy.strategy import Granularity, HandlingChoice
+from kvguard.contracts.events import Handling
+from kvguard.contracts.commands import AckOutcome, Action, Command, Target
+from kvguard.producers.pool_types import PageState, SwapFull, UnknownRequest
+from kvguard.policy.strategy import Granularity, HandlingChoice
 
 HANDLINGS: dict[HandlingChoice, Handling] = {
     HandlingChoice.RECOMPUTE: Handling.RECOMPUTE,

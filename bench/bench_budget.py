@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from policy.budget import NS_PER_S, BudgetConfig, MemoryBudgetLedger, week_start_ns  # noqa: E402
+from kvguard.policy.budget import NS_PER_S, BudgetConfig, MemoryBudgetLedger, week_start_ns  # noqa: E402
 
 
 def run(ledger, ticks: int, nodes: int) -> dict[str, float]:
@@ -55,12 +55,12 @@ def main() -> None:
     server = None
     url = os.environ.get("REDIS_URL")
     if not url:
-        from tests.rigs.redis_server import RedisServer
+        from kvguard.runtime.rigs.redis_server import RedisServer
 
         server = RedisServer().start()
         url = server.url
     try:
-        from policy.budget_redis import RedisBudgetLedger
+        from kvguard.policy.budget_redis import RedisBudgetLedger
 
         ledger = RedisBudgetLedger(url, config)
         result["redis"] = run(ledger, args.ticks, args.nodes)

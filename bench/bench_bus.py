@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kvguard.events import EVENT_DTYPE, EventBatch, Geometry  # noqa: E402
-from kvguard.schemas import batch_headers, decode_batch, encode_batch  # noqa: E402
+from kvguard.contracts.events import EVENT_DTYPE, EventBatch, Geometry  # noqa: E402
+from kvguard.wire.schemas import batch_headers, decode_batch, encode_batch  # noqa: E402
 
 REPEATS = 3
 GEOMETRY = Geometry(total_bytes=24 * 2**30, weights_bytes=16 * 2**30, context_bytes=2**30,
@@ -83,8 +83,8 @@ async def bench_kafka(bootstrap: str, batches: list[EventBatch]) -> dict:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
     from kvguard.bus.kafka import KafkaBus, create_topics
-    from kvguard.settings import Settings, TopicSpec
-    from producers.publisher import NodePublisher
+    from kvguard.wire.settings import Settings, TopicSpec
+    from kvguard.producers.publisher import NodePublisher
 
     run = uuid.uuid4().hex[:8]
     topics = {f"bench.{run}.{name}": TopicSpec(name=name, partitions=6) for name in ("kv", "raw", "pub")}
@@ -207,7 +207,7 @@ def main() -> None:
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP")
     broker = None
     if not bootstrap:
-        from tests.rigs import TansuBroker
+        from kvguard.runtime.rigs import TansuBroker
 
         broker = TansuBroker().start()
         bootstrap = broker.bootstrap

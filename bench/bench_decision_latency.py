@@ -1,6 +1,6 @@
 """Decision latency over loopback Kafka: event time → command executed on the node.
 
-Uses ``$KAFKA_BOOTSTRAP`` when set, else a private Tansu broker (``tests/rigs``). Runs the real
+Uses ``$KAFKA_BOOTSTRAP`` when set, else a private Tansu broker (``kvguard/runtime/rigs``). Runs the real
 pipeline in real time (``--speed 1``: event time is wall time):
 
   node (shadow engine, publisher, actuators)
@@ -71,11 +71,11 @@ def terminate(proc: subprocess.Popen) -> None:
 async def run(opts, bootstrap: str, work: Path) -> dict:
     import numpy as np
 
-    from kvguard.bootstrap import bootstrap as build, make_bus
+    from kvguard.runtime.bootstrap import bootstrap as build, make_bus
     from kvguard.bus.kafka import create_topics
     from kvguard.cli.demo import demo_workload
     from kvguard.cli.node import run_node
-    from kvguard.settings import Settings
+    from kvguard.wire.settings import Settings
 
     prefix = f"lat{uuid.uuid4().hex[:8]}."
     settings = Settings(
@@ -103,7 +103,7 @@ async def run(opts, bootstrap: str, work: Path) -> dict:
     policy_task = asyncio.create_task(policy.run(group=f"{prefix}policy", stop=policy_stop, poll_s=0.01))
     stream_task = None
     if opts.streams == "service":
-        from streams.embedded import StreamsService
+        from kvguard.streams.embedded import StreamsService
 
         service = StreamsService(bus, settings, group=f"{prefix}streams")
         stream_task = asyncio.create_task(service.run())
@@ -152,7 +152,7 @@ def main() -> None:
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP")
     broker = None
     if not bootstrap:
-        from tests.rigs import TansuBroker
+        from kvguard.runtime.rigs import TansuBroker
 
         broker = TansuBroker().start()
         bootstrap = broker.bootstrap

@@ -1,7 +1,7 @@
 """End-to-end stream throughput through Kafka + Faust for one worker, and its ratio to a raw
 aiokafka consumer reading the same records.
 
-Uses ``$KAFKA_BOOTSTRAP`` when set, else a private Tansu broker (``tests/rigs``). Publishes a
+Uses ``$KAFKA_BOOTSTRAP`` when set, else a private Tansu broker (``kvguard/runtime/rigs``). Publishes a
 shadow-engine log (``--gpus`` GPUs, ``--seconds`` of event time, a batch per node every
 ``--flush-s``) to a fresh events topic first, then:
 
@@ -32,9 +32,9 @@ NS = 1_000_000_000
 
 
 def make_batches(gpus: int, seconds: int, flush_s: float, rate_scale: float, seed: int):
-    from producers.fleet import Fleet
-    from producers.profiles import load_profile
-    from producers.workloads import load_workload
+    from kvguard.producers.fleet import Fleet
+    from kvguard.producers.profiles import load_profile
+    from kvguard.producers.workloads import load_workload
 
     fleet = Fleet(gpus, load_profile(), seed=seed)
     fleet.submit_workload(load_workload("mixed", rate_scale=rate_scale, window=seconds, seed=seed))
@@ -48,7 +48,7 @@ def make_batches(gpus: int, seconds: int, flush_s: float, rate_scale: float, see
 
 async def publish(settings, batches) -> None:
     from kvguard.bus.kafka import KafkaBus
-    from kvguard.schemas import batch_headers, encode_batch
+    from kvguard.wire.schemas import batch_headers, encode_batch
 
     bus = KafkaBus(settings)
     await bus.start()
@@ -83,7 +83,7 @@ async def raw_consume(settings, n_records: int) -> tuple[float, int]:
 
 
 async def faust_consume(settings, n_records: int, app_id: str) -> tuple[float, float, dict]:
-    from streams.app import build_app, ensure_topics
+    from kvguard.streams.app import build_app, ensure_topics
 
     await ensure_topics(settings, app_id)
     app, worker = build_app(settings, app_id=app_id)
@@ -149,12 +149,12 @@ def main(argv=None) -> int:
     import logging
 
     logging.basicConfig(level=logging.ERROR)
-    from kvguard.settings import TOPIC_KINDS, Settings
+    from kvguard.wire.settings import TOPIC_KINDS, Settings
 
     broker = None
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP")
     if not bootstrap:
-        from tests.rigs import TansuBroker
+        from kvguard.runtime.rigs import TansuBroker
 
         broker = TansuBroker().start()
         bootstrap = broker.bootstrap
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
                             topics={"prefix": prefix, **{k: {"partitions": args.partitions} for k in TOPIC_KINDS}})
         batches = make_batches(args.gpus, args.seconds, args.flush_s, args.rate_scale, args.seed)
         n_events = sum(len(b) for b in batches)
-        from streams.app import ensure_topics
+        from kvguard.streams.app import ensure_topics
 
         app_id = f"kvguard-bench-{uuid.uuid4().hex[:6]}"
         asyncio.run(ensure_topics(settings, app_id))
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
         raw_s, raw_seen = asyncio.run(raw_consume(settings, len(batches)))
         noop_app = f"kvguard-bench-noop-{uuid.uuid4().hex[:6]}"
         from kvguard.bus.kafka import create_topics
-        from kvguard.settings import TopicSpec
+        from kvguard.wire.settings import TopicSpec
 
         asyncio.run(create_topics(settings, {f"{noop_app}-__assignor-__leader": TopicSpec(name="x", partitions=1)}))
         noop_s = asyncio.run(faust_noop_consume(settings, len(batches), noop_app))

@@ -40,9 +40,9 @@ def main() -> None:
 
     import torch
 
-    from streams.lstm import LSTMPredictor, ModelError, ModelMetadata, Normalisation, OOMNet, load_model
-    from streams.metrics import FEATURE_NAMES
-    from streams.predictor import window_from_history
+    from kvguard.streams.lstm import LSTMPredictor, ModelError, ModelMetadata, Normalisation, OOMNet, load_model
+    from kvguard.streams.metrics import FEATURE_NAMES
+    from kvguard.streams.predictor import window_from_history
 
     try:
         predictor = load_model(args.model, expected_features=list(FEATURE_NAMES), threads=args.threads)
@@ -68,7 +68,7 @@ def main() -> None:
 
     # agreement on realistic inputs: a simulated hour (shadow engine + stream core), 12 nodes
     # starting at different offsets, stateful vs exact padded windows over 240 ticks
-    from streams.dataset import RunSpec, simulate_run
+    from kvguard.ml.dataset import RunSpec, simulate_run
 
     run = simulate_run(RunSpec("azure-code", 0.34, duration_s=3600, split="test")).sequences[0].features
     k, ticks = 12, 240

@@ -17,10 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from producers.engine import NS  # noqa: E402
-from producers.fleet import Fleet  # noqa: E402
-from producers.profiles import load_profile  # noqa: E402
-from producers.workloads import load_workload  # noqa: E402
+from kvguard.producers.engine import NS  # noqa: E402
+from kvguard.producers.fleet import Fleet  # noqa: E402
+from kvguard.producers.profiles import load_profile  # noqa: E402
+from kvguard.producers.workloads import load_workload  # noqa: E402
 
 
 def run_case(profile_name: str, workload: str, rate_scale: float, seconds: float) -> dict:

@@ -19,9 +19,9 @@ NS = 1_000_000_000
 
 
 def make_log(gpus: int, seconds: float, scenario: str, rate_scale: float, flush_s: float, seed: int):
-    from producers.fleet import Fleet
-    from producers.profiles import load_profile
-    from producers.workloads import load_workload
+    from kvguard.producers.fleet import Fleet
+    from kvguard.producers.profiles import load_profile
+    from kvguard.producers.workloads import load_workload
 
     profile = load_profile()
     workload = load_workload(scenario, rate_scale=rate_scale, window=seconds, seed=seed)
@@ -56,8 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
 
-    from streams.core import StreamConfig, StreamCore
-    from streams.mirror import AllocatorMirror
+    from kvguard.streams.core import StreamConfig, StreamCore
+    from kvguard.streams.mirror import AllocatorMirror
 
     t0 = time.perf_counter()
     batches, summary = make_log(args.gpus, args.seconds, args.scenario, args.rate_scale, args.flush_s, args.seed)

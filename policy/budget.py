@@ -230,7 +230,7 @@ class BudgetAlert:
                 f"threshold); root-cause analysis required")
 
     def alert_fields(self) -> dict[str, Any]:
-        """Keyword arguments for the wire model ``kvguard.schemas.Alert(**fields)``; the
+        """Keyword arguments for the wire model ``kvguard.wire.schemas.Alert(**fields)``; the
         fingerprint is stable per node and week, so a redelivered alert dedups downstream."""
         intervals = "; ".join(f"{i.start_s}:{i.burned_s:g}s" for i in self.top_intervals)
         return {"node": self.node, "ts_ns": self.ts_ns, "name": self.rule, "tier": "budget",

@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from policy.budget import (
+from kvguard.policy.budget import (
     BudgetAlert,
     BudgetConfig,
     BurnInterval,
@@ -454,7 +454,7 @@ def open_budget_ledger(redis_url: str | None, config: BudgetConfig | None = None
                        **redis_options: Any) -> Any:
     """The composition root's choice: the in-memory ledger when no Redis URL is given (the
     embedded default), else the Redis ledger. Nothing connects until the first call."""
-    from policy.budget import MemoryBudgetLedger
+    from kvguard.policy.budget import MemoryBudgetLedger
 
     if not redis_url:
         return MemoryBudgetLedger(config)

@@ -52,10 +52,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from policy.commands import Action, Command, Mode, Target, command_id, sign
-from policy.modes import ModeChange, ModeConfig, ModeTracker
-from policy.planner import CostModel, NodeView, Plan, PlannerConfig, compaction_run_units, plan, view_from_tick
-from policy.strategy import DEFAULT, EMERGENCY, Strategy, Timing, Trigger
+from kvguard.contracts.commands import Action, Command, Mode, Target, command_id, sign
+from kvguard.policy.modes import ModeChange, ModeConfig, ModeTracker
+from kvguard.policy.planner import CostModel, NodeView, Plan, PlannerConfig, compaction_run_units, plan, view_from_tick
+from kvguard.policy.strategy import DEFAULT, EMERGENCY, Strategy, Timing, Trigger
 
 NS = 1_000_000_000
 

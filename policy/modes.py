@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policy.commands import Mode
-from policy.planner import NodeView
+from kvguard.contracts.commands import Mode
+from kvguard.policy.planner import NodeView
 
 
 @dataclass(slots=True, frozen=True)

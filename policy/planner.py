@@ -69,8 +69,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from kvguard.pressure import ALPHA, BETA
-from policy.strategy import Granularity, HandlingChoice, Selection, Strategy
+from kvguard.contracts.pressure import ALPHA, BETA
+from kvguard.policy.strategy import Granularity, HandlingChoice, Selection, Strategy
 
 DEFAULT_PRIORITY = 5
 

@@ -14,7 +14,7 @@ commands and alerts were delivered (``deliver_all`` retries through a broker out
 
 ``handle_tick`` is synchronous and returns the records, so the embedded loop calls it directly
 and deterministically; ``run`` is the async consumer over any bus (in-process or Kafka).
-Ticks are validated against the wire contract (``kvguard.schemas.MetricTick``, DLQ on failure)
+Ticks are validated against the wire contract (``kvguard.wire.schemas.MetricTick``, DLQ on failure)
 but read from the record's JSON itself, so fields a newer stream adds (the candidates' prompt
 sizes, the utilization split in units) reach the planner.
 """
@@ -27,9 +27,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from policy.commands import Command, Mode
-from policy.engine import Decision, PolicyEngine
-from policy.modes import ModeChange
+from kvguard.contracts.commands import Command, Mode
+from kvguard.policy.engine import Decision, PolicyEngine
+from kvguard.policy.modes import ModeChange
 
 log = logging.getLogger(__name__)
 delivery_log = logging.getLogger("policy.delivery")  # retries through a broker outage
@@ -89,7 +89,7 @@ class PolicyService:
     def _budget(self, tick: Any) -> float | None:
         if self.ledger is None:
             return None
-        from policy.budget import tick_week
+        from kvguard.policy.budget import tick_week
 
         get = tick.get if isinstance(tick, dict) else (lambda k, d=None: getattr(tick, k, d))
         try:
@@ -117,7 +117,7 @@ class PolicyService:
         """``out`` as (topic, key, value, headers) records, in publishing order."""
         import orjson
 
-        from kvguard.schemas import make_headers
+        from kvguard.wire.schemas import make_headers
 
         topics = self.settings.topics
         records = [(topics.name("commands"), cmd.node, cmd.to_bytes(),
@@ -281,7 +281,7 @@ class SloRecorder:
 
     def __init__(self, ledger: Any, *, threshold: float, horizon_s: float, thresholds: Any = None,
                  confirm_with_acks: bool = False) -> None:
-        from policy.slo import OutcomeTracker
+        from kvguard.policy.slo import OutcomeTracker
 
         self.ledger = ledger
         self.threshold = float(threshold)
@@ -344,7 +344,7 @@ class SloRecorder:
     # evictions -----------------------------------------------------------------------------------
 
     def observe_decision(self, decision: Any) -> None:
-        from policy.commands import Action
+        from kvguard.contracts.commands import Action
 
         for cmd in getattr(decision, "commands", ()):
             if cmd.action is not Action.EVICT:
@@ -370,7 +370,7 @@ class SloRecorder:
         """Outcomes of evicted requests from the nodes' event batches (FINISH rows)."""
         if not self._evicted:
             return
-        from kvguard.events import EventKind, Outcome
+        from kvguard.contracts.events import EventKind, Outcome
 
         for batch in batches:
             events = batch.events

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Protocol
 
-from policy.budget import NS_PER_S, iso_week, parse_week, shift_week
+from kvguard.policy.budget import NS_PER_S, iso_week, parse_week, shift_week
 
 TIERS = ("threshold", "slope", "fragmentation", "lstm")
 PENDING, COMPLETED, FAILED = "pending", "completed", "failed"

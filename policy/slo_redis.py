@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from policy.budget import LedgerStats, iso_week, parse_week
-from policy.budget_redis import DONE, ResilientRedis, ScriptCall
-from policy.slo import (
+from kvguard.policy.budget import LedgerStats, iso_week, parse_week
+from kvguard.policy.budget_redis import DONE, ResilientRedis, ScriptCall
+from kvguard.policy.slo import (
     COMPLETED,
     FAILED,
     SloConfig,
@@ -186,7 +186,7 @@ def _glob_escape(text: str) -> str:
 def open_slo_ledger(redis_url: str | None, config: SloConfig | None = None,
                     **redis_options: Any) -> Any:
     """In-memory SLO ledger without a Redis URL (embedded), else the Redis one."""
-    from policy.slo import MemorySloLedger
+    from kvguard.policy.slo import MemorySloLedger
 
     if not redis_url:
         return MemorySloLedger(config)

@@ -41,10 +41,10 @@ from enum import IntEnum
 
 import numpy as np
 
-from kvguard.events import F_PRIORITY_DEFAULTED, EventKind, Handling, Outcome
-from producers.pool_types import EvictResult, PageState, PoolError, PoolExhausted
-from producers.profiles import Profile
-from producers.workloads import HASH_BLOCK_TOKENS, Request, mix_hash
+from kvguard.contracts.events import F_PRIORITY_DEFAULTED, EventKind, Handling, Outcome
+from kvguard.producers.pool_types import EvictResult, PageState, PoolError, PoolExhausted
+from kvguard.producers.profiles import Profile
+from kvguard.producers.workloads import HASH_BLOCK_TOKENS, Request, mix_hash
 
 NS = 1_000_000_000
 DEFAULT_PRIORITY = 5

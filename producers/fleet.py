@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from kvguard.events import EVENT_DTYPE, EventBatch
-from producers.engine import NS, Engine, EngineConfig, RunSummary
-from producers.profiles import Profile
-from producers.workloads import Request, Workload
+from kvguard.contracts.events import EVENT_DTYPE, EventBatch
+from kvguard.producers.engine import NS, Engine, EngineConfig, RunSummary
+from kvguard.producers.profiles import Profile
+from kvguard.producers.workloads import Request, Workload
 
 
 def _up(engines: list[Engine], request: Request) -> list[int]:
@@ -48,7 +48,7 @@ ROUTERS: dict[str, Callable[[list[Engine], Request], int]] = {
 
 
 def make_pool(profile: Profile, node: str, *, retain_ttl_s: float = 300.0, checkpoint_dir=None):
-    from producers.pool import PagedPool
+    from kvguard.producers.pool import PagedPool
 
     return PagedPool(profile.geometry, node=node, swap_capacity_units=profile.swap_capacity_units,
                      checkpoint_dir=checkpoint_dir, retain_ttl_ns=int(retain_ttl_s * NS), fit="best")

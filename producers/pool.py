@@ -80,11 +80,11 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from kvguard import pressure
-from kvguard.events import (EVENT_DTYPE, F_TO_CACHE, EventKind, Geometry, Handling, PoolState,
+from kvguard.contracts import pressure
+from kvguard.contracts.events import (EVENT_DTYPE, F_TO_CACHE, EventKind, Geometry, Handling, PoolState,
                             RegionState, empty_events, free_runs_checksum)
-from producers.allocator import FreeRunAllocator
-from producers.pool_types import (CheckpointMissing, EvictResult, PageInfo, PageState, PoolError,
+from kvguard.producers.allocator import FreeRunAllocator
+from kvguard.producers.pool_types import (CheckpointMissing, EvictResult, PageInfo, PageState, PoolError,
                                   PoolExhausted, PoolMetrics, SwapFull, UnknownPage, UnknownRequest,
                                   UnknownWorkspace, UtilizationSplit)
 
@@ -114,7 +114,7 @@ def _row_struct() -> struct.Struct:
     row = struct.Struct("<" + "".join(code or "?" for code in codes))
     offsets = [struct.calcsize("<" + "".join(codes[:i])) for i in range(len(codes))] if all(codes) else []
     if row.size != EVENT_DTYPE.itemsize or offsets != [EVENT_DTYPE.fields[n][1] for n in EVENT_DTYPE.names]:
-        raise TypeError(f"kvguard.events.EVENT_DTYPE {EVENT_DTYPE}: producers.pool packs rows as {row.format!r}; "
+        raise TypeError(f"kvguard.contracts.events.EVENT_DTYPE {EVENT_DTYPE}: producers.pool packs rows as {row.format!r}; "
                         f"update _STRUCT_CODE for the new layout")
     return row
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-from kvguard.events import Handling
+from kvguard.contracts.events import Handling
 
 
 class PageState(IntEnum):

@@ -14,7 +14,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from kvguard.events import Geometry
+from kvguard.contracts.events import Geometry
 
 
 class ProfileError(ValueError):
@@ -112,7 +112,7 @@ def profile_from_dict(name: str, d: dict) -> Profile:
 @lru_cache(maxsize=4)
 def _load(path: str | None) -> dict:
     if path is None:
-        text = resources.files("producers").joinpath("profiles.json").read_text()
+        text = resources.files("kvguard.producers").joinpath("profiles.json").read_text()
     else:
         text = Path(path).read_text()
     return json.loads(text)

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvguard.bus.base import Bus, BusClosed
-from kvguard.events import EventBatch
-from kvguard.schemas import batch_headers, encode_batch
+from kvguard.contracts.events import EventBatch
+from kvguard.wire.schemas import batch_headers, encode_batch
 
 log = logging.getLogger(__name__)
 

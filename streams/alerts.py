@@ -15,7 +15,7 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from streams.metrics import NS_PER_S, Tick
+from kvguard.streams.metrics import NS_PER_S, Tick
 
 FIRING = "firing"
 RESOLVED = "resolved"
@@ -24,7 +24,7 @@ TIER_NAMES = {1: "threshold", 2: "slope", 3: "lstm"}
 
 @dataclass(slots=True, frozen=True)
 class AlertThresholds:
-    """DESIGN §4 defaults; field names as in ``kvguard.settings.StreamsSettings`` (``p_oom`` is
+    """DESIGN §4 defaults; field names as in ``kvguard.wire.settings.StreamsSettings`` (``p_oom`` is
     ``predictor.threshold``). ``streams.core.StreamConfig`` carries one of these."""
 
     u_kv_warning: float = 0.88
@@ -97,7 +97,7 @@ WIRE_SCHEMA = "1.0"
 
 
 def alert_record(alert: Alert) -> dict:
-    """The alert as a ``kvguard.alerts`` record (``kvguard.schemas.Alert`` plus the Alert fields)."""
+    """The alert as a ``kvguard.alerts`` record (``kvguard.wire.schemas.Alert`` plus the Alert fields)."""
     d = alert.to_dict()
     d.update({"schema": WIRE_SCHEMA, "name": alert.rule, "tier": TIER_NAMES[alert.tier], "tier_level": alert.tier,
               "status": alert.state, "started_at_ns": alert.starts_at_ns,

@@ -1,7 +1,7 @@
 """The Faust app: ``StreamCore`` behind ``kvguard.events``, per-node state in a changelog-backed table.
 
 ``build_app(settings)`` builds everything (nothing at import time, no module-level app): one agent
-reads raw event-batch records, decodes them with ``kvguard.schemas`` (undecodable ones go to
+reads raw event-batch records, decodes them with ``kvguard.wire.schemas`` (undecodable ones go to
 ``kvguard.dlq`` with the reason; the worker lives on), runs the core, and publishes ticks to
 ``kvguard.metrics`` and alerts to ``kvguard.alerts`` keyed by node, with the same record bytes as the
 embedded runner (``streams.embedded.encode_tick``/``encode_alert``).
@@ -51,9 +51,9 @@ import struct
 import tempfile
 from dataclasses import dataclass
 
-from streams.core import NodeState, StreamConfig, StreamCore
-from streams.embedded import encode_alert, encode_tick, output_headers
-from streams.predictor import Predictor
+from kvguard.streams.core import NodeState, StreamConfig, StreamCore
+from kvguard.streams.embedded import encode_alert, encode_tick, output_headers
+from kvguard.streams.predictor import Predictor
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class StreamsWorker:
     async def handle(self, events) -> None:
         """Process a chunk of consumed events: apply every batch, send the outputs, and write the
         checkpoints that fell due once every output sent so far is on the broker."""
-        from kvguard.schemas import DecodeError, decode_batch
+        from kvguard.wire.schemas import DecodeError, decode_batch
 
         ticks, alerts = [], []
         due: dict[str, int] = {}  # node -> partition, checkpoints to write after this chunk
@@ -262,7 +262,7 @@ class StreamsWorker:
         """Read the node's missing batches back from the events topic (between its last applied
         offset and this record) and apply them, outputs included. What the topic does not hold
         stays a gap: the core then marks the node unsynced."""
-        from kvguard.schemas import DecodeError, decode_batch
+        from kvguard.wire.schemas import DecodeError, decode_batch
 
         start = self.last_offset[node] + 1
         records = await self.fetch_back(self.events_topic, message.partition, start, message.offset)
@@ -315,7 +315,7 @@ class StreamsWorker:
     async def dead_letter(self, message, value: bytes, headers, reason: str, detail: str) -> None:
         import time
 
-        from kvguard.schemas import DlqRecord, make_headers
+        from kvguard.wire.schemas import DlqRecord, make_headers
 
         self.counters.dead_lettered += 1
         record = DlqRecord.of(reason=reason, detail=detail, topic=message.topic, partition=message.partition,

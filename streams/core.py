@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvguard import pressure
-from kvguard.events import EventBatch, EventKind, Geometry
-from streams.alerts import Alert, AlertEvaluator, AlertThresholds, default_rules
-from streams.metrics import NS_PER_S, SINCE_OOM_CAP_S, Candidate, Tick, least_squares_slope, percentiles, tick_features
-from streams.mirror import LIFE_WAITING, AllocatorMirror
-from streams.predictor import DEFAULT_WINDOW_TICKS, FeatureHistory, Predictor, check_predictor
+from kvguard.contracts import pressure
+from kvguard.contracts.events import EventBatch, EventKind, Geometry
+from kvguard.streams.alerts import Alert, AlertEvaluator, AlertThresholds, default_rules
+from kvguard.streams.metrics import NS_PER_S, SINCE_OOM_CAP_S, Candidate, Tick, least_squares_slope, percentiles, tick_features
+from kvguard.streams.mirror import LIFE_WAITING, AllocatorMirror
+from kvguard.streams.predictor import DEFAULT_WINDOW_TICKS, FeatureHistory, Predictor, check_predictor
 
 log = logging.getLogger(__name__)
 K = EventKind
@@ -47,7 +47,7 @@ class StreamConfigError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class StreamConfig:
-    """Everything the core needs; ``kvguard.settings`` maps onto it."""
+    """Everything the core needs; ``kvguard.wire.settings`` maps onto it."""
 
     tick_s: float = 10.0
     slope_window_s: float = 300.0
@@ -79,7 +79,7 @@ class StreamConfig:
 
     @classmethod
     def from_settings(cls, streams, predictor=None, **overrides) -> "StreamConfig":
-        """Map ``kvguard.settings`` sections (``settings.streams``, ``settings.predictor``) onto the
+        """Map ``kvguard.wire.settings`` sections (``settings.streams``, ``settings.predictor``) onto the
         core's config; read by attribute, so the core stays free of pydantic. ``reserved_frac`` is
         taken only when it was set explicitly (file/env): by default each GPU's geometry decides,
         so Ψ stays equal to the pool's own."""

@@ -1,9 +1,9 @@
 """The embedded stream runner: the same ``StreamCore`` over an event log file or a bus subscription.
 
 Two shells, no logic of their own:
-- ``run_event_log(path, config)`` replays a ``kvguard.eventlog`` file (``kvguard metrics``, RCA);
+- ``run_event_log(path, config)`` replays a ``kvguard.wire.eventlog`` file (``kvguard metrics``, RCA);
 - ``StreamsService(bus, settings)`` consumes ``kvguard.events`` from any ``kvguard.bus`` carrier
-  (the in-process bus of the embedded default, or Kafka), decodes with ``kvguard.schemas`` (bad
+  (the in-process bus of the embedded default, or Kafka), decodes with ``kvguard.wire.schemas`` (bad
   records go to the DLQ), runs the core and publishes ticks to ``kvguard.metrics`` and alerts to
   ``kvguard.alerts`` keyed by node. It commits a poll's offsets only after every output of that poll
   is acknowledged (at-least-once; the core skips redelivered batches by ``seq``).
@@ -19,10 +19,10 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from streams.alerts import Alert, alert_record
-from streams.core import StreamConfig, StreamCore
-from streams.metrics import Tick, tick_record
-from streams.predictor import Predictor
+from kvguard.streams.alerts import Alert, alert_record
+from kvguard.streams.core import StreamConfig, StreamCore
+from kvguard.streams.metrics import Tick, tick_record
+from kvguard.streams.predictor import Predictor
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def encode_tick(tick: Tick) -> bytes:
     """A ``kvguard.metrics`` record: validated against ``schemas.MetricTick``, every Tick field kept."""
     import orjson
 
-    from kvguard.schemas import MetricTick
+    from kvguard.wire.schemas import MetricTick
 
     record = tick_record(tick)
     MetricTick.model_validate(record)
@@ -42,7 +42,7 @@ def encode_alert(alert: Alert) -> bytes:
     """A ``kvguard.alerts`` record: validated against ``schemas.Alert``, every Alert field kept."""
     import orjson
 
-    from kvguard.schemas import Alert as AlertModel
+    from kvguard.wire.schemas import Alert as AlertModel
 
     record = alert_record(alert)
     AlertModel.model_validate(record)
@@ -51,7 +51,7 @@ def encode_alert(alert: Alert) -> bytes:
 
 def output_headers(kind: str, node: str, ts_ns: int, suffix: str = ""):
     """CloudEvents headers with a deterministic id (node/ts[/rule]) so consumers can deduplicate."""
-    from kvguard.schemas import make_headers
+    from kvguard.wire.schemas import make_headers
 
     return make_headers(kind, "kvguard-streams", record_id=f"{node}/{ts_ns}{suffix}")
 
@@ -60,7 +60,7 @@ def run_event_log(path, config: StreamConfig | None = None, predictor: Predictor
                   chunk_batches: int = 64, flush_ns: int | None = None) -> Iterator[tuple[list[Tick], list[Alert]]]:
     """Replay an event log through a fresh core, yielding (ticks, alerts) per chunk of batches.
     ``flush_ns``: finally emit every node's ticks up to that event time."""
-    from kvguard.eventlog import read_event_log
+    from kvguard.wire.eventlog import read_event_log
 
     core = StreamCore(config, predictor)
     _, batches = read_event_log(path)

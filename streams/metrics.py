@@ -116,7 +116,7 @@ WIRE_SCHEMA = "1.0"
 
 
 def tick_record(tick: Tick) -> dict:
-    """The tick as a ``kvguard.metrics`` record (``kvguard.schemas.MetricTick`` plus every Tick
+    """The tick as a ``kvguard.metrics`` record (``kvguard.wire.schemas.MetricTick`` plus every Tick
     field; readers ignore what they do not know). ``utilization`` splits device memory M."""
     d = tick.to_dict()
     d["schema"] = WIRE_SCHEMA

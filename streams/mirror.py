@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvguard import pressure
-from kvguard.events import (
+from kvguard.contracts import pressure
+from kvguard.contracts.events import (
     EVENT_DTYPE,
     F_TO_CACHE,
     EventKind,

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from streams.metrics import FEATURE_NAMES
+from kvguard.streams.metrics import FEATURE_NAMES
 
 DEFAULT_WINDOW_TICKS = 180  # 30 minutes of 10 s ticks
 

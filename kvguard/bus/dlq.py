@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvguard.bus.base import Bus, Record
-from kvguard.events import EventBatch
-from kvguard.schemas import DecodeError, DlqRecord, EventBatchRecord, WireModel, decode, make_headers
+from kvguard.contracts.events import EventBatch
+from kvguard.wire.schemas import DecodeError, DlqRecord, EventBatchRecord, WireModel, decode, make_headers
 
 log = logging.getLogger(__name__)
 

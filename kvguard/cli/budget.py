@@ -28,7 +28,7 @@ _JSON = typer.Option(False, "--json", help="Print one JSON object for machines."
 
 def _load_settings() -> Any:
     """kvguard/settings.py's Settings (defaults < $KVGUARD_CONFIG file < KVGUARD_* env)."""
-    from kvguard.settings import ConfigError, Settings
+    from kvguard.wire.settings import ConfigError, Settings
 
     try:
         return Settings.load()
@@ -40,7 +40,7 @@ def _connection(redis_url: Optional[str], settings: Any) -> tuple[str, dict[str,
     """--redis as given, else the settings' redis section (url + password + tls + CA file),
     but only when redis.url was set in the file or the environment: the built-in default,
     127.0.0.1:6379, is often a shared server that holds someone else's ledger."""
-    from policy.budget_redis import url_from_settings
+    from kvguard.policy.budget_redis import url_from_settings
 
     url, options = url_from_settings(settings.redis)
     if redis_url:
@@ -59,7 +59,7 @@ def _fail(message: str, code: int = 1) -> None:
 
 def _check_week(week: Optional[str]) -> Optional[str]:
     """The --week label, checked before anything connects; None when not given."""
-    from policy.budget import WeekFormatError, parse_week
+    from kvguard.policy.budget import WeekFormatError, parse_week
 
     if not week:
         return None
@@ -73,7 +73,7 @@ def _check_week(week: Optional[str]) -> Optional[str]:
 def _pick_week(week: Optional[str], ledger: Any) -> tuple[str, str]:
     """(week, why): --week as given ("given"), else the latest week the ledger holds data for
     ("latest"), else the current UTC week ("current", with no data anywhere)."""
-    from policy.budget import iso_week
+    from kvguard.policy.budget import iso_week
 
     if week:
         return week, "given"
@@ -92,8 +92,8 @@ _WEEK_NOTES = {"given": "", "latest": " (latest week with data)",
 def budget_status(node: Optional[str] = _NODE, week: Optional[str] = _WEEK,
                   redis_url: Optional[str] = _REDIS, json_out: bool = _JSON) -> None:
     """Per node: seconds used, budget, remaining, exhausted, the intervals that burned most."""
-    from policy.budget import BudgetConfig, BudgetConfigError, LedgerUnavailable
-    from policy.budget_redis import RedisBudgetLedger
+    from kvguard.policy.budget import BudgetConfig, BudgetConfigError, LedgerUnavailable
+    from kvguard.policy.budget_redis import RedisBudgetLedger
 
     week = _check_week(week)
     settings = _load_settings()
@@ -150,9 +150,9 @@ def slo_report(week: Optional[str] = _WEEK, redis_url: Optional[str] = _REDIS,
                json_out: bool = _JSON) -> None:
     """Precision, recall and FPR at the operating threshold, OOM lead times per tier,
     completion rate of evicted requests; SLO met when recall >= 0.90 and FPR <= 0.05."""
-    from policy.budget import LedgerUnavailable
-    from policy.slo import SloConfig
-    from policy.slo_redis import RedisSloLedger
+    from kvguard.policy.budget import LedgerUnavailable
+    from kvguard.policy.slo import SloConfig
+    from kvguard.policy.slo_redis import RedisSloLedger
 
     week = _check_week(week)
     settings = _load_settings()

@@ -22,7 +22,7 @@ def progress_bar(console):
 
 
 def build_with_progress(specs, console, tick_s: float = 10.0):
-    from streams.dataset import build_dataset
+    from kvguard.ml.dataset import build_dataset
 
     with progress_bar(console) as bar:
         task = bar.add_task("simulating runs", total=len(specs), info="")
@@ -35,7 +35,7 @@ def build_with_progress(specs, console, tick_s: float = 10.0):
 
 
 def resolve_specs(preset: str | None, spec_file: Path | None):
-    from streams.dataset import PRESETS, RunSpec, DatasetError
+    from kvguard.ml.dataset import PRESETS, RunSpec, DatasetError
 
     if spec_file is not None:
         try:
@@ -61,7 +61,7 @@ def dataset_command(
     """Build a training/evaluation dataset from shadow-engine runs (deterministic; records its inputs)."""
     from rich.console import Console
 
-    from streams.dataset import DatasetError
+    from kvguard.ml.dataset import DatasetError
 
     console = Console(stderr=True)
     try:

@@ -128,7 +128,7 @@ def _fmt(x: float | None) -> str:
 
 
 def demo_workload(profile: Any, *, workload: str, rate_scale: float, duration_s: float, seed: int):
-    from producers.workloads import load_workload
+    from kvguard.producers.workloads import load_workload
 
     # as `kvguard simulate` does: prompts that could never fit one GPU are capped, and said so
     max_prompt = min(profile.max_model_len - 1024, int(profile.capacity_tokens * 0.6))
@@ -140,11 +140,11 @@ async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: fl
     """One deterministic run; ``guarded`` closes the loop (policy + actuators). Node ids are
     ``<host>/gpu<i>``; the guarded run records in the graph's budget and SLO ledgers (in memory
     when the graph has none)."""
-    from kvguard.bootstrap import make_ledger, make_slo_ledger
+    from kvguard.runtime.bootstrap import make_ledger, make_slo_ledger
     from kvguard.bus.inproc import InprocBus
-    from kvguard.schemas import make_headers
-    from producers.engine import NS
-    from streams.embedded import encode_alert, encode_tick, output_headers
+    from kvguard.wire.schemas import make_headers
+    from kvguard.producers.engine import NS
+    from kvguard.streams.embedded import encode_alert, encode_tick, output_headers
 
     settings = graph.settings
     topics = settings.topics
@@ -319,9 +319,9 @@ def demo(
 
     from rich.console import Console
 
-    from kvguard.bootstrap import bootstrap, make_ledger, make_slo_ledger
+    from kvguard.runtime.bootstrap import bootstrap, make_ledger, make_slo_ledger
     from kvguard.cli.simulate import parse_duration
-    from kvguard.settings import ConfigError, Settings
+    from kvguard.wire.settings import ConfigError, Settings
 
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for name in LOUD_LOGGERS:  # outages and retries are the demo's business to show (on stderr)
@@ -378,7 +378,7 @@ def demo(
     ledgers["ticks"] = {node: {"ticks": len(rows), "over_threshold_s": tick_s * sum(1 for r in rows if r[2] > line)}
                         for node, rows in sorted(guarded.series.items())}
     if not no_report:
-        from kvguard.demo_report import write_report
+        from kvguard.ops.demo_report import write_report
 
         path = write_report(report, result, baseline, guarded)
         result["report"] = str(path)
@@ -395,7 +395,7 @@ def demo(
 
 
 # loggers whose warnings the demo shows although it logs at ERROR otherwise
-LOUD_LOGGERS = ("kvguard.budget", "policy.delivery", "policy.ledger", "actuators.actuator")
+LOUD_LOGGERS = ("kvguard.budget", "policy.delivery", "policy.ledger", "kvguard.actuators.actuator")
 
 
 def ledger_summary(ledger: Any, slo_ledger: Any, redis: str | None) -> tuple[dict, str | None]:
@@ -434,9 +434,9 @@ async def run_over_bus(graph: Any, workload: Any, *, bus: str, n_gpus: int, dura
     """
     import secrets
 
-    from kvguard.bootstrap import make_bus
+    from kvguard.runtime.bootstrap import make_bus
     from kvguard.cli.node import run_node
-    from streams.embedded import StreamsService
+    from kvguard.streams.embedded import StreamsService
 
     run_id = run_id or secrets.token_hex(4)
     settings = graph.settings.model_copy(update={

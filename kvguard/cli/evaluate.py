@@ -1,6 +1,6 @@
 """`kvguard eval`: run workloads through the shadow engine (baseline, no policy) and the stream core
 with all three alert tiers, and score the OOM predictor: AUC, recall at FPR <= 5 %, per-tier lead
-times and false alarms (definitions: ``streams.evaluation``).
+times and false alarms (definitions: ``kvguard.ml.evaluation``).
 
 Several ``--workload``/``--rate-scale``/``--seed``/``--profile`` values run every combination and
 report one pooled result (per-run figures under ``runs``). ``--data`` scores a saved dataset's
@@ -43,11 +43,11 @@ def eval_command(
     from rich.console import Console
 
     from kvguard.cli.dataset import progress_bar
-    from streams.dataset import DatasetError, RunSpec, simulate_run
-    from streams.evaluation import NodeTrace, evaluate_traces, plot_lead_times, plot_roc
-    from streams.lstm import ModelError, load_model
+    from kvguard.ml.dataset import DatasetError, RunSpec, simulate_run
+    from kvguard.ml.evaluation import NodeTrace, evaluate_traces, plot_lead_times, plot_roc
+    from kvguard.streams.lstm import ModelError, load_model
     from kvguard.cli.simulate import parse_duration
-    from streams.metrics import FEATURE_NAMES
+    from kvguard.streams.metrics import FEATURE_NAMES
 
     console = Console(stderr=True)
     duration_s = parse_duration(duration)
@@ -113,8 +113,8 @@ def eval_command(
 
 def _offline(predictor, data: Path, split: str, mode: str):
     """Score a saved dataset's split as the stream would (exact 180-tick windows, or stateful)."""
-    from streams.dataset import DatasetError, TickDataset
-    from streams.training import score_dataset, traces_for
+    from kvguard.ml.dataset import DatasetError, TickDataset
+    from kvguard.ml.training import score_dataset, traces_for
 
     try:
         ds = TickDataset.load(data)

@@ -42,10 +42,10 @@ def export(
 
     from kvguard.cli._service import stop_event
 
-    from kvguard.bootstrap import BootstrapError, make_bus
-    from kvguard.export_service import EXPORT_KINDS, ExportService
-    from kvguard.exporter import ExportError
-    from kvguard.settings import ConfigError, Settings
+    from kvguard.runtime.bootstrap import BootstrapError, make_bus
+    from kvguard.ops.export_service import EXPORT_KINDS, ExportService
+    from kvguard.ops.exporter import ExportError
+    from kvguard.wire.settings import ConfigError, Settings
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     try:

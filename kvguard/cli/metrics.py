@@ -24,12 +24,12 @@ def metrics(
     """Per tick and node: U_kv, F_ext, F_int, Ψ, slope and the rest of DESIGN §3; with --alerts the
     tier 1–2 (and, with --model, tier 3) alerts. Deterministic: the same log gives the same lines."""
     from kvguard.cli.simulate import parse_duration
-    from kvguard.eventlog import EventLogError
-    from kvguard.settings import ConfigError, Settings
-    from streams.alerts import alert_record
-    from streams.core import StreamConfig, StreamConfigError
-    from streams.embedded import run_event_log
-    from streams.metrics import tick_record
+    from kvguard.wire.eventlog import EventLogError
+    from kvguard.wire.settings import ConfigError, Settings
+    from kvguard.streams.alerts import alert_record
+    from kvguard.streams.core import StreamConfig, StreamConfigError
+    from kvguard.streams.embedded import run_event_log
+    from kvguard.streams.metrics import tick_record
 
     if not events.exists():
         typer.echo(f"--events {events}: no such file", err=True)
@@ -47,8 +47,8 @@ def metrics(
         raise typer.Exit(2) from None
     predictor = None
     if model is not None:
-        from streams.lstm import ModelError, load_model
-        from streams.metrics import FEATURE_NAMES
+        from kvguard.streams.lstm import ModelError, load_model
+        from kvguard.streams.metrics import FEATURE_NAMES
 
         try:
             predictor = load_model(model, expected_features=list(FEATURE_NAMES))

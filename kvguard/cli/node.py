@@ -36,9 +36,9 @@ async def run_node(graph: Any, bus: Any, workload: Any, *, n_gpus: int, duration
     (the demo reads the FINISH rows of evicted requests from them). ``epoch``: the producer run
     the batches carry (None: the seed, so logs stay deterministic; a restartable node passes a
     newer one on every start)."""
-    from actuators.actuator import run_actuators
-    from producers.engine import NS
-    from producers.publisher import NodePublisher
+    from kvguard.actuators.actuator import run_actuators
+    from kvguard.producers.engine import NS
+    from kvguard.producers.publisher import NodePublisher
 
     settings = graph.settings
     fleet = graph.fleet(n_gpus, seed=seed, host=host)
@@ -129,10 +129,10 @@ def node(
     json_out: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
 ) -> None:
     """Run simulated GPUs (shadow engine + producer + actuator) against the bus."""
-    from kvguard.bootstrap import BootstrapError, bootstrap, make_bus
+    from kvguard.runtime.bootstrap import BootstrapError, bootstrap, make_bus
     from kvguard.cli.demo import demo_workload
     from kvguard.cli.simulate import parse_duration
-    from kvguard.settings import ConfigError, Settings
+    from kvguard.wire.settings import ConfigError, Settings
 
     try:
         settings = Settings.load(config)

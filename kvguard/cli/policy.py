@@ -33,8 +33,8 @@ def policy(
 
     from kvguard.cli._service import stop_event
 
-    from kvguard.bootstrap import BootstrapError, bootstrap, make_bus, make_ledger, make_slo_ledger
-    from kvguard.settings import ConfigError, Settings
+    from kvguard.runtime.bootstrap import BootstrapError, bootstrap, make_bus, make_ledger, make_slo_ledger
+    from kvguard.wire.settings import ConfigError, Settings
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     try:

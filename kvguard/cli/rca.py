@@ -1,4 +1,4 @@
-"""`kvguard rca`: root-cause analysis of the OOMs in a recorded event log (core: ``kvguard.rca``)."""
+"""`kvguard rca`: root-cause analysis of the OOMs in a recorded event log (core: ``kvguard.ops.rca``)."""
 
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ def rca_command(
     times, fragmentation or capacity, and the requests admitted in the minute before."""
     from rich.console import Console
 
-    from kvguard import rca
-    from kvguard.bootstrap import bootstrap
+    from kvguard.ops import rca
+    from kvguard.runtime.bootstrap import bootstrap
     from kvguard.cli.simulate import parse_duration
-    from kvguard.eventlog import EventLogError, read_event_log
-    from kvguard.settings import Settings
+    from kvguard.wire.eventlog import EventLogError, read_event_log
+    from kvguard.wire.settings import Settings
 
     err = Console(stderr=True)
     window_s = parse_duration(window)
@@ -88,7 +88,7 @@ def _print(out: dict, reports) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kvguard.rca import NS_PER_S
+    from kvguard.ops.rca import NS_PER_S
 
     console = Console()
     if not console.is_terminal:

@@ -40,10 +40,10 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
                    profile_name: str | None = None, seed: int = 0, events_out: Path | None = None,
                    drain: bool = True, flush_s: float = 10.0, progress=None) -> dict:
     """The command's core, callable from Python: returns the JSON summary as a dict."""
-    from producers.engine import NS
-    from producers.fleet import Fleet
-    from producers.profiles import load_profile
-    from producers.workloads import load_workload
+    from kvguard.producers.engine import NS
+    from kvguard.producers.fleet import Fleet
+    from kvguard.producers.profiles import load_profile
+    from kvguard.producers.workloads import load_workload
 
     profile = load_profile(profile_name)
     # prompts that could never fit one GPU's KV region (or the model's context) are capped, and said so
@@ -59,7 +59,7 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
             "duration_s": duration_s, "nodes": fleet.nodes, "workload_notes": wl.notes}
     writer = None
     if events_out is not None:
-        from kvguard.eventlog import EventLogWriter
+        from kvguard.wire.eventlog import EventLogWriter
 
         writer = EventLogWriter(events_out, meta).__enter__()
     wall0 = time.perf_counter()
@@ -154,8 +154,8 @@ def simulate(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from producers.profiles import ProfileError
-    from producers.workloads import WorkloadError
+    from kvguard.producers.profiles import ProfileError
+    from kvguard.producers.workloads import WorkloadError
 
     if rate_scale <= 0:
         raise typer.BadParameter(f"expected > 0, got {rate_scale}", param_hint="--rate-scale")

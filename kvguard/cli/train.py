@@ -4,7 +4,7 @@ The shipped model (``streams/models/oom_lstm.{pt,json}``) is rebuilt with::
 
     kvguard train --preset shipped --out streams/models
 
-which simulates the ``shipped`` preset's runs (``streams.dataset.PRESETS``), trains with the
+which simulates the ``shipped`` preset's runs (``kvguard.ml.dataset.PRESETS``), trains with the
 default ``TrainConfig`` and seed 0, and writes the artifact. Deterministic up to torch's CPU kernels.
 """
 
@@ -33,9 +33,9 @@ def train_command(
     from rich.console import Console
 
     from kvguard.cli.dataset import build_with_progress, progress_bar, resolve_specs
-    from streams.dataset import DatasetError, TickDataset
-    from streams.lstm import count_parameters, describe, save_model
-    from streams.training import TrainConfig, train
+    from kvguard.ml.dataset import DatasetError, TickDataset
+    from kvguard.streams.lstm import count_parameters, describe, save_model
+    from kvguard.ml.training import TrainConfig, train
 
     console = Console(stderr=True)
     try:

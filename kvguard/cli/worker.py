@@ -29,7 +29,7 @@ def worker(
     the partitions of kvguard.events; per-node state survives restarts through the changelog."""
     import asyncio
 
-    from kvguard.settings import ConfigError, Settings
+    from kvguard.wire.settings import ConfigError, Settings
 
     overrides: dict = {}
     if bootstrap:
@@ -44,8 +44,8 @@ def worker(
     predictor = None
     model_path = model or (Path(settings.predictor.model_path) if settings.predictor.model_path else None)
     if model_path is not None:
-        from streams.lstm import ModelError, load_model
-        from streams.metrics import FEATURE_NAMES
+        from kvguard.streams.lstm import ModelError, load_model
+        from kvguard.streams.metrics import FEATURE_NAMES
 
         try:
             predictor = load_model(model_path, expected_features=list(FEATURE_NAMES))
@@ -55,7 +55,7 @@ def worker(
 
     from faust import Worker
 
-    from streams.app import build_app, ensure_topics, fetch_max_wait_ms
+    from kvguard.streams.app import build_app, ensure_topics, fetch_max_wait_ms
 
     try:
         fetch_wait_ms = fetch_max_wait_ms(settings)

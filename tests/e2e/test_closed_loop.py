@@ -56,7 +56,7 @@ def wait_for(log: Path, text: str, timeout_s: float) -> None:
 
 def baseline_summary() -> dict:
     """The bare engine on the Kafka test's workload (deterministic, in process)."""
-    from kvguard.bootstrap import bootstrap
+    from kvguard.runtime.bootstrap import bootstrap
     from kvguard.cli.demo import demo_workload, run_embedded
 
     graph = bootstrap(predictor=None)
@@ -122,7 +122,7 @@ def test_policy_over_kafka_executes_commands_and_prevents_ooms(kafka_settings, r
 
 
 def test_embedded_closed_loop_is_deterministic_and_prevents_ooms():
-    from kvguard.bootstrap import bootstrap
+    from kvguard.runtime.bootstrap import bootstrap
     from kvguard.cli.demo import compare, demo_workload, run_embedded
 
     graph = bootstrap(predictor=None)

@@ -5,16 +5,16 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvguard.events import EventBatch
+from kvguard.contracts.events import EventBatch
 
 NS = 1_000_000_000
 
 
 def fleet_event_log(n_gpus: int = 3, seconds: int = 60, step_s: int = 5, seed: int = 3) -> list[EventBatch]:
     """Batches from the real shadow-engine fleet, drained every ``step_s`` of simulated time."""
-    from producers.fleet import Fleet
-    from producers.profiles import load_profile
-    from producers.workloads import load_workload
+    from kvguard.producers.fleet import Fleet
+    from kvguard.producers.profiles import load_profile
+    from kvguard.producers.workloads import load_workload
 
     fleet = Fleet(n_gpus, load_profile(), seed=seed)
     fleet.submit_workload(load_workload("mixed", window=seconds, seed=seed))

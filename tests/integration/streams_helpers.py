@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvguard.events import EventBatch
+from kvguard.contracts.events import EventBatch
 
 NS = 1_000_000_000
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def shadow_log(n_gpus: int = 3, seconds: int = 150, step_s: int = 2, seed: int = 5,
                rate_scale: float = 3.0) -> list[EventBatch]:
     """A busy shadow-engine log: batches per node every ``step_s``, snapshots every 30 s."""
-    from producers.fleet import Fleet
-    from producers.profiles import load_profile
-    from producers.workloads import load_workload
+    from kvguard.producers.fleet import Fleet
+    from kvguard.producers.profiles import load_profile
+    from kvguard.producers.workloads import load_workload
 
     fleet = Fleet(n_gpus, load_profile(), seed=seed, snapshot_every_s=30)
     fleet.submit_workload(load_workload("mixed", rate_scale=rate_scale, window=seconds, seed=seed))
@@ -35,8 +35,8 @@ def shadow_log(n_gpus: int = 3, seconds: int = 150, step_s: int = 2, seed: int =
 
 def expected_records(batches: list[EventBatch], config=None) -> tuple[dict, dict]:
     """What the embedded core makes of ``batches``: {(node, ts_ns): tick record}, {(node, ts, rule, state): alert}."""
-    from streams.core import StreamConfig, StreamCore
-    from streams.embedded import encode_alert, encode_tick
+    from kvguard.streams.core import StreamConfig, StreamCore
+    from kvguard.streams.embedded import encode_alert, encode_tick
 
     core = StreamCore(config or StreamConfig())
     ticks, alerts = core.process_many(batches)
@@ -46,7 +46,7 @@ def expected_records(batches: list[EventBatch], config=None) -> tuple[dict, dict
 
 async def publish_batches(settings, batches: list[EventBatch], extra: list[tuple[str, bytes]] = ()) -> None:
     from kvguard.bus.kafka import KafkaBus
-    from kvguard.schemas import batch_headers, encode_batch
+    from kvguard.wire.schemas import batch_headers, encode_batch
 
     bus = KafkaBus(settings)
     await bus.start()

@@ -14,14 +14,14 @@ import uuid
 
 import pytest
 
-from policy.budget import (
+from kvguard.policy.budget import (
     NS_PER_S,
     BudgetConfig,
     LedgerUnavailable,
     MemoryBudgetLedger,
     week_start_ns,
 )
-from tests.rigs.net import free_port, stop_process, wait_for_port
+from kvguard.runtime.rigs.net import free_port, stop_process, wait_for_port
 
 W48 = week_start_ns("2026-W48")  # Monday 2026-11-23 00:00 UTC
 TICK_S = 10.0
@@ -48,7 +48,7 @@ def make_ledger(request):
         if request.param == "memory":
             ledger = MemoryBudgetLedger(config)
         else:
-            from policy.budget_redis import RedisBudgetLedger
+            from kvguard.policy.budget_redis import RedisBudgetLedger
 
             ledger = RedisBudgetLedger(request.getfixturevalue("redis_url"), config)
         made.append(ledger)
@@ -193,7 +193,7 @@ def test_debit_tick_reads_node_ts_and_f_ext_from_a_tick(make_ledger):
 # ----------------------------------------------------------------------------- Redis only
 
 def _debit_worker(url: str, prefix: str, node_ticks: list[tuple[str, int]], queue) -> None:
-    from policy.budget_redis import RedisBudgetLedger
+    from kvguard.policy.budget_redis import RedisBudgetLedger
 
     ledger = RedisBudgetLedger(url, BudgetConfig(budget_s=60.0, key_prefix=prefix))
     counted = sum(ledger.debit(node, ts_ns, TICK_S, 0.9).counted for node, ts_ns in node_ticks)
@@ -202,7 +202,7 @@ def _debit_worker(url: str, prefix: str, node_ticks: list[tuple[str, int]], queu
 
 
 def test_concurrent_debits_from_several_processes_add_up_exactly(redis_url):
-    from policy.budget_redis import RedisBudgetLedger
+    from kvguard.policy.budget_redis import RedisBudgetLedger
 
     prefix = f"test:{uuid.uuid4().hex[:10]}:"
     # 4 processes, 2 nodes, 150 distinct ticks each, every tick sent by two processes
@@ -229,7 +229,7 @@ def test_concurrent_debits_from_several_processes_add_up_exactly(redis_url):
 def test_keys_expire_after_the_retention(redis_url):
     import redis
 
-    from policy.budget_redis import RedisBudgetLedger, budget_keys
+    from kvguard.policy.budget_redis import RedisBudgetLedger, budget_keys
 
     config = make_config(retention_weeks=2)
     RedisBudgetLedger(redis_url, config).debit("gpu0", ts(W48, 10), TICK_S, 0.9)
@@ -278,7 +278,7 @@ def persistent_redis():
 
 
 def test_outage_buffers_debits_and_replays_them_once_on_reconnect(persistent_redis, caplog):
-    from policy.budget_redis import RedisBudgetLedger
+    from kvguard.policy.budget_redis import RedisBudgetLedger
 
     config = make_config(budget_s=100.0)
     ledger = RedisBudgetLedger(persistent_redis.url, config, retry_interval_s=0.0)
@@ -314,7 +314,7 @@ def test_outage_buffers_debits_and_replays_them_once_on_reconnect(persistent_red
 
 
 def test_outage_buffer_drops_the_oldest_past_its_bound(persistent_redis):
-    from policy.budget_redis import RedisBudgetLedger
+    from kvguard.policy.budget_redis import RedisBudgetLedger
 
     config = make_config(budget_s=3600.0, buffer_max=4)
     ledger = RedisBudgetLedger(persistent_redis.url, config, retry_interval_s=0.0)
@@ -330,7 +330,7 @@ def test_outage_buffer_drops_the_oldest_past_its_bound(persistent_redis):
 
 
 def test_retry_interval_keeps_the_outage_path_off_the_network(persistent_redis):
-    from policy.budget_redis import RedisBudgetLedger
+    from kvguard.policy.budget_redis import RedisBudgetLedger
 
     now = [0.0]
     ledger = RedisBudgetLedger(persistent_redis.url, make_config(budget_s=3600.0),
@@ -358,8 +358,8 @@ def test_a_debit_whose_reply_was_lost_still_raises_its_alert_once(persistent_red
     """The exhausting debit runs in Redis but its reply never arrives: the ledger buffers it
     and replays it as a duplicate. The claim is this debit's, so the alert still comes out,
     once; a redelivery, or the same tick from another process, raises no second one."""
-    from policy.budget import compute_debit
-    from policy.budget_redis import DEBIT_LUA, RedisBudgetLedger
+    from kvguard.policy.budget import compute_debit
+    from kvguard.policy.budget_redis import DEBIT_LUA, RedisBudgetLedger
 
     config = make_config(budget_s=30.0)
     ledger = RedisBudgetLedger(persistent_redis.url, config, retry_interval_s=0.0)
@@ -393,7 +393,7 @@ def test_a_replica_refusing_writes_buffers_debits_until_it_is_primary_again(pers
                                                                           caplog):
     """READONLY (e.g. mid-failover) is transient: the debit is buffered, counted in errors,
     logged once, and replayed when the server accepts writes again."""
-    from policy.budget_redis import RedisBudgetLedger
+    from kvguard.policy.budget_redis import RedisBudgetLedger
 
     ledger = RedisBudgetLedger(persistent_redis.url, make_config(budget_s=3600.0),
                                retry_interval_s=0.0)
@@ -421,7 +421,7 @@ def test_a_replica_refusing_writes_buffers_debits_until_it_is_primary_again(pers
 def test_a_debit_redis_refuses_for_good_is_reported_failed_not_buffered(redis_url, caplog):
     """A key of the wrong type makes the script fail every time: retrying cannot help, so the
     debit is reported failed, logged and counted, and the local estimate does not grow."""
-    from policy.budget_redis import RedisBudgetLedger, budget_keys
+    from kvguard.policy.budget_redis import RedisBudgetLedger, budget_keys
 
     config = make_config()
     ledger = RedisBudgetLedger(redis_url, config)
@@ -445,7 +445,7 @@ def test_budget_status_cli_prints_the_ledger_as_json(redis_url, monkeypatch):
     from typer.testing import CliRunner
 
     from kvguard.cli.app import app
-    from policy.budget_redis import RedisBudgetLedger
+    from kvguard.policy.budget_redis import RedisBudgetLedger
 
     prefix = f"test{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv("KVGUARD_BUDGET__KEY_PREFIX", prefix)
@@ -486,7 +486,7 @@ def test_tls_and_password_from_settings(tmp_path):
     import shutil
     from types import SimpleNamespace
 
-    from policy.budget_redis import RedisBudgetLedger, url_from_settings
+    from kvguard.policy.budget_redis import RedisBudgetLedger, url_from_settings
 
     if not shutil.which("openssl"):
         pytest.skip("openssl is needed to make a test certificate")
@@ -528,11 +528,11 @@ def test_budget_status_agrees_with_the_ticks_of_a_simulated_fleet(redis_url):
     from typer.testing import CliRunner
 
     from kvguard.cli.app import app
-    from policy.budget_redis import RedisBudgetLedger
-    from producers.fleet import Fleet
-    from producers.profiles import load_profile
-    from producers.workloads import load_workload
-    from streams.core import StreamCore
+    from kvguard.policy.budget_redis import RedisBudgetLedger
+    from kvguard.producers.fleet import Fleet
+    from kvguard.producers.profiles import load_profile
+    from kvguard.producers.workloads import load_workload
+    from kvguard.streams.core import StreamCore
 
     # one GPU under the drill: its 32K-token prompts fragment the pool within minutes
     fleet = Fleet(1, load_profile(), seed=1)
@@ -594,7 +594,7 @@ def test_budget_status_defaults_to_the_latest_week_with_data_and_says_so(redis_u
     from typer.testing import CliRunner
 
     from kvguard.cli.app import app
-    from policy.budget_redis import RedisBudgetLedger
+    from kvguard.policy.budget_redis import RedisBudgetLedger
 
     prefix = f"test{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv("KVGUARD_BUDGET__KEY_PREFIX", prefix)

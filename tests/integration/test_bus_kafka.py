@@ -11,8 +11,8 @@ from kvguard.bus.base import partition_for_key, publish_and_wait
 from kvguard.bus.dlq import RecordDecoder
 from kvguard.bus.inproc import InprocBus
 from kvguard.bus.kafka import KafkaBus, create_topics
-from kvguard.schemas import batch_headers, decode, decode_batch, encode_batch
-from producers.publisher import NodePublisher
+from kvguard.wire.schemas import batch_headers, decode, decode_batch, encode_batch
+from kvguard.producers.publisher import NodePublisher
 from tests.integration.bus_helpers import batch_source, consume, drain_quietly, fleet_event_log
 
 
@@ -159,7 +159,7 @@ def test_topics_create_names_the_unreachable_broker():
     from typer.testing import CliRunner
 
     from kvguard.cli import app
-    from tests.rigs import free_port
+    from kvguard.runtime.rigs import free_port
 
     bootstrap = f"127.0.0.1:{free_port()}"
     result = CliRunner().invoke(app, ["topics", "create", "--bootstrap", bootstrap])

@@ -5,10 +5,10 @@ import json
 import uuid
 
 from kvguard.bus.inproc import InprocBus
-from kvguard.eventlog import write_event_log
-from kvguard.schemas import batch_headers, encode_batch
-from kvguard.settings import Settings
-from streams.embedded import StreamsService, encode_alert, encode_tick, run_event_log
+from kvguard.wire.eventlog import write_event_log
+from kvguard.wire.schemas import batch_headers, encode_batch
+from kvguard.wire.settings import Settings
+from kvguard.streams.embedded import StreamsService, encode_alert, encode_tick, run_event_log
 from tests.integration.streams_helpers import OutputReader, WorkerProcess, publish_batches, shadow_log, tick_map
 
 

@@ -10,9 +10,9 @@ import pytest
 from aiohttp import web
 
 from kvguard.bus.kafka import KafkaBus
-from kvguard.export_service import EXPORT_KINDS, ExportService
-from kvguard.exporter import rfc3339
-from kvguard.schemas import Ack, Alert, DlqRecord, MetricTick, make_headers
+from kvguard.ops.export_service import EXPORT_KINDS, ExportService
+from kvguard.ops.exporter import rfc3339
+from kvguard.wire.schemas import Ack, Alert, DlqRecord, MetricTick, make_headers
 from tests.unit.test_exporter import parse, value
 
 NS = 1_000_000_000

@@ -8,10 +8,10 @@ import uuid
 
 import pytest
 
-from policy.budget import NS_PER_S, week_start_ns
-from policy.slo import MemorySloLedger, SloConfig
+from kvguard.policy.budget import NS_PER_S, week_start_ns
+from kvguard.policy.slo import MemorySloLedger, SloConfig
 from tests.integration.test_budget_redis import PersistentRedis
-from tests.rigs.net import free_port
+from kvguard.runtime.rigs.net import free_port
 
 W48 = week_start_ns("2026-W48")
 
@@ -30,7 +30,7 @@ def slo_ledger(request):
     if request.param == "memory":
         ledger = MemorySloLedger(config)
     else:
-        from policy.slo_redis import RedisSloLedger
+        from kvguard.policy.slo_redis import RedisSloLedger
 
         ledger = RedisSloLedger(request.getfixturevalue("redis_url"), config)
     yield ledger
@@ -118,7 +118,7 @@ def test_an_outcome_counts_in_its_eviction_week(slo_ledger):
 
 
 def test_outage_buffers_slo_records_and_replays_them():
-    from policy.slo_redis import RedisSloLedger
+    from kvguard.policy.slo_redis import RedisSloLedger
 
     server = PersistentRedis().start()
     try:
@@ -145,7 +145,7 @@ def test_slo_report_cli(redis_url, monkeypatch):
     from typer.testing import CliRunner
 
     from kvguard.cli.app import app
-    from policy.slo_redis import RedisSloLedger
+    from kvguard.policy.slo_redis import RedisSloLedger
 
     prefix = f"test{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv("KVGUARD_BUDGET__KEY_PREFIX", prefix)
@@ -173,7 +173,7 @@ def test_slo_report_defaults_to_the_latest_week_with_data_and_says_so(redis_url,
     from typer.testing import CliRunner
 
     from kvguard.cli.app import app
-    from policy.slo_redis import RedisSloLedger
+    from kvguard.policy.slo_redis import RedisSloLedger
 
     prefix = f"test{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv("KVGUARD_BUDGET__KEY_PREFIX", prefix)
@@ -194,7 +194,7 @@ def test_slo_report_defaults_to_the_latest_week_with_data_and_says_so(redis_url,
 def test_an_slo_record_redis_refuses_for_good_is_counted_as_an_error_not_buffered(redis_url):
     import redis
 
-    from policy.slo_redis import RedisSloLedger
+    from kvguard.policy.slo_redis import RedisSloLedger
 
     config = make_config()
     ledger = RedisSloLedger(redis_url, config)

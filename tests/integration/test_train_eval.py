@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvguard.cli import app
-from streams.dataset import PRESETS, RunSpec, TickDataset, build_dataset, simulate_run
-from streams.metrics import FEATURE_NAMES
+from kvguard.ml.dataset import PRESETS, RunSpec, TickDataset, build_dataset, simulate_run
+from kvguard.streams.metrics import FEATURE_NAMES
 
 pytestmark = pytest.mark.slow
 
@@ -90,8 +90,8 @@ def test_eval_runs_engine_stream_and_all_three_tiers(model_dir, workdir):
 
 
 def test_offline_scores_equal_the_stream_core_scores(model_dir):
-    from streams.lstm import load_model
-    from streams.training import score_sequence
+    from kvguard.streams.lstm import load_model
+    from kvguard.ml.training import score_sequence
 
     predictor = load_model(model_dir, expected_features=list(FEATURE_NAMES))
     record = simulate_run(RunSpec("azure-code", 0.4, duration_s=600, split="test"), predictor=predictor)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvguard import pressure
-from kvguard.events import F_TO_CACHE, EventKind, Handling, free_runs_checksum
+from kvguard.contracts import pressure
+from kvguard.contracts.events import F_TO_CACHE, EventKind, Handling, free_runs_checksum
 
 FREE, LIVE, CACHED, RETAINED, WORKSPACE = 0, 1, 2, 3, 4
 

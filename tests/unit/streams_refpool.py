@@ -11,8 +11,8 @@ import random
 
 import numpy as np
 
-from kvguard import pressure
-from kvguard.events import (
+from kvguard.contracts import pressure
+from kvguard.contracts.events import (
     EVENT_DTYPE,
     F_TO_CACHE,
     EventBatch,

@@ -5,13 +5,13 @@ from dataclasses import replace
 
 import pytest
 
-from actuators.actuator import Actuator, AppliedJournal, run_actuators
-from actuators.executor import Executor
+from kvguard.actuators.actuator import Actuator, AppliedJournal, run_actuators
+from kvguard.actuators.executor import Executor
 from kvguard.bus.inproc import InprocBus
-from kvguard.settings import Settings
-from policy.commands import Ack, AckOutcome, Action, Command, Mode, Target, command_id, sign
-from policy.strategy import Granularity, HandlingChoice
-from producers.engine import NS
+from kvguard.wire.settings import Settings
+from kvguard.contracts.commands import Ack, AckOutcome, Action, Command, Mode, Target, command_id, sign
+from kvguard.policy.strategy import Granularity, HandlingChoice
+from kvguard.producers.engine import NS
 from tests.unit.test_executor import running_engine
 
 SECRET = b"shared-secret"

@@ -2,8 +2,8 @@
 
 from dataclasses import replace
 
-from streams.alerts import FIRING, RESOLVED, AlertEvaluator, AlertThresholds, default_rules, fingerprint
-from streams.metrics import Tick
+from kvguard.streams.alerts import FIRING, RESOLVED, AlertEvaluator, AlertThresholds, default_rules, fingerprint
+from kvguard.streams.metrics import Tick
 
 NS = 1_000_000_000
 

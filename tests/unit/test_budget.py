@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policy.budget import (
+from kvguard.policy.budget import (
     NS_PER_S,
     BudgetConfig,
     BudgetConfigError,
@@ -28,7 +28,7 @@ from policy.budget import (
     week_bounds_ns,
     week_start_ns,
 )
-from policy.slo import MemorySloLedger, OutcomeTracker, SloReport
+from kvguard.policy.slo import MemorySloLedger, OutcomeTracker, SloReport
 
 # 1950 .. 2100 in ns
 timestamps = st.integers(min_value=-20 * 365 * 86_400 * NS_PER_S, max_value=130 * 365 * 86_400 * NS_PER_S)
@@ -102,7 +102,7 @@ def test_config_errors_name_the_field(field, value):
 
 
 def test_config_from_kvguard_settings():
-    from kvguard.settings import Settings
+    from kvguard.wire.settings import Settings
 
     settings = Settings(budget={"minutes_per_week": 30, "f_ext_threshold": 0.6,
                                 "retention_weeks": 3, "key_prefix": "prod:budget"})
@@ -135,7 +135,7 @@ def test_outage_buffer_puts_refused_items_back_in_front_in_order():
 
 
 def test_a_ledger_passes_one_alert_per_node_and_week_however_often_it_is_claimed():
-    from policy.budget import BudgetAlert
+    from kvguard.policy.budget import BudgetAlert
 
     ledger = MemoryBudgetLedger(BudgetConfig(budget_s=10.0))
     alert = BudgetAlert(node="gpu0", cluster="c", week="2026-W48", ts_ns=1, used_s=10.0,
@@ -153,7 +153,7 @@ def _fields(alert) -> dict:
 def test_redis_refusals_that_pass_are_told_from_those_that_do_not():
     import redis.exceptions as rex
 
-    from policy.budget_redis import is_transient_refusal
+    from kvguard.policy.budget_redis import is_transient_refusal
 
     for exc in (rex.ReadOnlyError("READONLY"), rex.OutOfMemoryError("OOM"),
                 rex.TryAgainError("TRYAGAIN"), rex.MasterDownError("MASTERDOWN"),
@@ -229,7 +229,7 @@ def test_outcome_tracker_labels_ticks_by_an_oom_within_the_horizon():
 
 
 def tracker_outcome(node, t, predicted, actual):
-    from policy.slo import PredictionOutcome
+    from kvguard.policy.slo import PredictionOutcome
 
     return PredictionOutcome(node, t * NS_PER_S, predicted, actual)
 
@@ -248,7 +248,7 @@ def test_pure_core_imports_no_redis_pydantic_faust_or_aiokafka():
 
 
 def test_budget_alert_maps_onto_the_wire_alert():
-    from kvguard.schemas import Alert
+    from kvguard.wire.schemas import Alert
 
     ledger = MemoryBudgetLedger(BudgetConfig(budget_s=20.0))
     start = week_start_ns("2026-W48")

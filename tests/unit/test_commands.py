@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from policy.commands import (
+from kvguard.contracts.commands import (
     Ack,
     AckOutcome,
     Action,
@@ -17,7 +17,7 @@ from policy.commands import (
     sign,
     verify,
 )
-from policy.strategy import Granularity, HandlingChoice
+from kvguard.policy.strategy import Granularity, HandlingChoice
 
 SECRET = b"test-secret"
 

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from streams.dataset import DatasetError, Sequence, TickDataset, assemble, synthetic_sequences
-from streams.evaluation import NS_PER_S
+from kvguard.ml.dataset import DatasetError, Sequence, TickDataset, assemble, synthetic_sequences
+from kvguard.ml.evaluation import NS_PER_S
 
 NAMES = ["u_kv", "f_ext", "f_int"]
 
@@ -109,8 +109,8 @@ def synthetic_dataset():
 
 
 def test_training_learns_the_synthetic_signal_and_calibrates_fpr():
-    from streams.evaluation import labels_for_ticks
-    from streams.training import TrainConfig, train
+    from kvguard.ml.evaluation import labels_for_ticks
+    from kvguard.ml.training import TrainConfig, train
 
     ds = synthetic_dataset()
     result = train(ds, TrainConfig(epochs=3, threads=1))
@@ -125,7 +125,7 @@ def test_training_learns_the_synthetic_signal_and_calibrates_fpr():
 
 
 def test_hysteresis_follows_the_alert_engine_rule():
-    from streams.training import hysteresis
+    from kvguard.ml.training import hysteresis
 
     ts = np.arange(12, dtype=np.int64) * 10 * NS_PER_S
     p = np.array([0, .6, .2, .2, .2, .2, .2, .2, .6, .2, .6, 0])
@@ -137,7 +137,7 @@ def test_hysteresis_follows_the_alert_engine_rule():
 
 
 def test_first_crash_weights_mark_only_the_horizon_before_isolated_ooms():
-    from streams.training import first_crash_weights
+    from kvguard.ml.training import first_crash_weights
 
     ts = np.arange(200, dtype=np.int64) * 10 * NS_PER_S
     ooms = np.array([500, 600, 1500], dtype=np.int64) * NS_PER_S  # 600 follows 500: not isolated

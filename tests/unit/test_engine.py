@@ -1,12 +1,12 @@
 import numpy as np
 import pytest
 
-from kvguard.eventlog import write_event_log
-from kvguard.events import EventBatch, EventKind, F_PRIORITY_DEFAULTED, Handling, Outcome
-from producers.engine import NS, Engine, EngineConfig, SeqState
-from producers.pool import PagedPool
-from producers.profiles import profile_from_dict
-from producers.workloads import Request, load_workload
+from kvguard.wire.eventlog import write_event_log
+from kvguard.contracts.events import EventBatch, EventKind, F_PRIORITY_DEFAULTED, Handling, Outcome
+from kvguard.producers.engine import NS, Engine, EngineConfig, SeqState
+from kvguard.producers.pool import PagedPool
+from kvguard.producers.profiles import profile_from_dict
+from kvguard.producers.workloads import Request, load_workload
 
 SUMMARY_FIELDS = ["requests", "completed", "failed", "rejected", "unfinished", "ooms", "preemptions", "ttft_p50_s", "ttft_p99_s",
                   "tpot_p50_s", "tpot_p99_s", "goodput_tokens_per_s", "downtime_s", "sim_seconds", "events"]
@@ -270,7 +270,7 @@ def test_prompt_that_can_never_fit_is_rejected_not_crashed():
 
 
 def test_shipped_profiles_match_their_documented_sources():
-    from producers.profiles import default_profile_name, load_profile, profile_names
+    from kvguard.producers.profiles import default_profile_name, load_profile, profile_names
 
     assert default_profile_name() == "llama3-8b-24gb"
     assert {"llama3-8b-24gb", "llama3-8b-24gb-p16", "llama3-70b-tp8-80gb"} <= set(profile_names())
@@ -285,7 +285,7 @@ def test_shipped_profiles_match_their_documented_sources():
 
 
 def test_bad_profiles_name_the_field():
-    from producers.profiles import ProfileError, load_profile
+    from kvguard.producers.profiles import ProfileError, load_profile
 
     with pytest.raises(ProfileError, match="page_class_tokens"):
         tiny_profile(page_class_tokens=(4, 24))
@@ -294,9 +294,9 @@ def test_bad_profiles_name_the_field():
 
 
 def test_admission_headroom_adds_to_the_watermark_and_releases_exactly():
-    from producers.engine import Engine
-    from producers.pool import PagedPool
-    from producers.profiles import load_profile
+    from kvguard.producers.engine import Engine
+    from kvguard.producers.pool import PagedPool
+    from kvguard.producers.profiles import load_profile
 
     profile = load_profile()
     engine = Engine(PagedPool(profile.geometry, node="n0", swap_capacity_units=0), profile, node="n0", seed=0)

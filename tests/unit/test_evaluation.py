@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streams import evaluation as ev
+from kvguard.ml import evaluation as ev
 
 S = ev.NS_PER_S
 

@@ -2,15 +2,15 @@
 
 import pytest
 
-from actuators.executor import Executor
-from kvguard.events import EventKind, Handling
-from policy.commands import AckOutcome, Action, Command, Mode, Target
-from policy.strategy import Granularity, HandlingChoice
-from producers.engine import NS, Engine, SeqState
-from producers.pool import PagedPool
-from producers.pool_types import PageState
-from producers.profiles import profile_from_dict
-from producers.workloads import HASH_BLOCK_TOKENS, Request
+from kvguard.actuators.executor import Executor
+from kvguard.contracts.events import EventKind, Handling
+from kvguard.contracts.commands import AckOutcome, Action, Command, Mode, Target
+from kvguard.policy.strategy import Granularity, HandlingChoice
+from kvguard.producers.engine import NS, Engine, SeqState
+from kvguard.producers.pool import PagedPool
+from kvguard.producers.pool_types import PageState
+from kvguard.producers.profiles import profile_from_dict
+from kvguard.producers.workloads import HASH_BLOCK_TOKENS, Request
 
 
 def tiny_profile(dynamic_units=2000, swap_units=4000):

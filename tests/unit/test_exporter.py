@@ -5,9 +5,9 @@ from datetime import datetime
 
 import pytest
 
-from kvguard.exporter import (ExportError, ExportState, alert_dedupe_key, alertmanager_alert, format_value,
+from kvguard.ops.exporter import (ExportError, ExportState, alert_dedupe_key, alertmanager_alert, format_value,
                               rfc3339, webhook_payload)
-from kvguard.schemas import Ack, Alert, DlqRecord, MetricTick
+from kvguard.wire.schemas import Ack, Alert, DlqRecord, MetricTick
 
 NS = 1_000_000_000
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
@@ -262,7 +262,7 @@ def test_the_exporter_core_imports_no_aiohttp_pydantic_or_kafka():
     import subprocess
     import sys
 
-    code = ("import sys, kvguard.exporter\n"
+    code = ("import sys, kvguard.ops.exporter\n"
             "print(','.join(m for m in ('aiohttp', 'pydantic', 'aiokafka', 'faust', 'redis') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""

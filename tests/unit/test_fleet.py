@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 
-from kvguard.events import EventKind, Outcome
-from producers.engine import NS, EngineConfig
-from producers.fleet import Fleet
-from producers.workloads import Request, load_workload
+from kvguard.contracts.events import EventKind, Outcome
+from kvguard.producers.engine import NS, EngineConfig
+from kvguard.producers.fleet import Fleet
+from kvguard.producers.workloads import Request, load_workload
 from tests.unit.test_engine import tiny_profile
 
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from streams.lstm import (LSTMPredictor, ModelError, ModelFeatureMismatch, ModelMetadata, Normalisation,
+from kvguard.streams.lstm import (LSTMPredictor, ModelError, ModelFeatureMismatch, ModelMetadata, Normalisation,
                           OOMNet, load_model, save_model)
-from streams.metrics import FEATURE_NAMES
-from streams.predictor import Predictor, check_predictor, window_from_history
+from kvguard.streams.metrics import FEATURE_NAMES
+from kvguard.streams.predictor import Predictor, check_predictor, window_from_history
 
 F = len(FEATURE_NAMES)
 
@@ -193,7 +193,7 @@ class _Counting(LSTMPredictor):
 
 
 def _core_scores(stateful: bool, batches, net, meta):
-    from streams.core import StreamCore
+    from kvguard.streams.core import StreamCore
 
     pred = _Counting(net, meta)
     core = StreamCore(predictor=pred, stateful=stateful)
@@ -236,7 +236,7 @@ def test_stream_core_stateful_path_equals_the_window_path():
 
 
 def test_stream_core_refuses_stateful_without_step():
-    from streams.core import StreamConfigError, StreamCore
+    from kvguard.streams.core import StreamConfigError, StreamCore
 
     class WindowOnly:
         feature_names = FEATURE_NAMES
@@ -251,7 +251,7 @@ def test_stream_core_refuses_stateful_without_step():
 
 
 def test_stream_core_reprimes_a_node_restored_from_its_checkpoint():
-    from streams.core import NodeState, StreamCore
+    from kvguard.streams.core import NodeState, StreamCore
     from tests.unit.streams_refpool import RefPool, batches_of, small_geometry
 
     net, meta = make_model(seed=8, window=20)

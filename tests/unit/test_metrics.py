@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from streams.metrics import FEATURE_NAMES, least_squares_slope, percentiles, tick_features
-from streams.predictor import FeatureHistory, window_from_history
+from kvguard.streams.metrics import FEATURE_NAMES, least_squares_slope, percentiles, tick_features
+from kvguard.streams.predictor import FeatureHistory, window_from_history
 from tests.unit.test_alerts import tick
 
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kvguard.events import EVENT_DTYPE, EventKind as K, free_runs_checksum
-from streams.mirror import AllocatorMirror, MirrorError
+from kvguard.contracts.events import EVENT_DTYPE, EventKind as K, free_runs_checksum
+from kvguard.streams.mirror import AllocatorMirror, MirrorError
 from tests.unit.streams_refpool import RefPool, small_geometry
 
 EXACT = ("live_units", "cached_units", "retained_units", "workspace_units", "free_units",
@@ -162,10 +162,10 @@ def test_empty_pool_checksum_matches_contract_function():
 
 def test_mirror_equals_the_shadow_engine_pool_after_every_batch_and_at_ticks():
     """Real engine logs (producers.fleet): U_kv, F_ext, F_int, Ψ equal the pool's own exact values."""
-    from producers.fleet import Fleet
-    from producers.profiles import load_profile
-    from producers.workloads import load_workload
-    from streams.core import StreamCore
+    from kvguard.producers.fleet import Fleet
+    from kvguard.producers.profiles import load_profile
+    from kvguard.producers.workloads import load_workload
+    from kvguard.streams.core import StreamCore
 
     ns = 1_000_000_000
     profile = load_profile()

@@ -2,9 +2,9 @@
 
 from dataclasses import replace
 
-from policy.commands import Mode
-from policy.modes import ModeConfig, ModeTracker
-from policy.planner import NodeView
+from kvguard.contracts.commands import Mode
+from kvguard.policy.modes import ModeConfig, ModeTracker
+from kvguard.policy.planner import NodeView
 
 S = 1_000_000_000
 
@@ -67,10 +67,10 @@ def test_mode_changes_are_published_as_alerts_by_the_service():
     import orjson
 
     from kvguard.bus.inproc import InprocBus
-    from kvguard.settings import Settings
-    from policy.budget import BudgetConfig, MemoryBudgetLedger, tick_week
-    from policy.engine import EngineConfig, PolicyEngine
-    from policy.service import MODE_ALERT, PolicyService
+    from kvguard.wire.settings import Settings
+    from kvguard.policy.budget import BudgetConfig, MemoryBudgetLedger, tick_week
+    from kvguard.policy.engine import EngineConfig, PolicyEngine
+    from kvguard.policy.service import MODE_ALERT, PolicyService
 
     settings = Settings()
     bus = InprocBus.from_settings(settings)
@@ -94,7 +94,7 @@ def test_mode_changes_are_published_as_alerts_by_the_service():
 def test_replayed_older_ticks_are_skipped_and_do_not_move_the_mode_clock():
     """Faust redelivers on recovery: an older or duplicate tick must not rewind since_ns, count a
     rise twice, or run the scan clock backwards."""
-    from policy.engine import EngineConfig, PolicyEngine
+    from kvguard.policy.engine import EngineConfig, PolicyEngine
 
     engine = PolicyEngine(EngineConfig(dynamic_units=1000), b"k")
     engine.decide(view(10, 0.5, ooms=1))  # escalates at t=10
@@ -119,9 +119,9 @@ async def test_policy_service_delivers_through_a_broker_outage_before_committing
     import orjson
 
     from kvguard.bus.inproc import InprocBus
-    from kvguard.settings import Settings
-    from policy.engine import EngineConfig, PolicyEngine
-    from policy.service import PolicyService
+    from kvguard.wire.settings import Settings
+    from kvguard.policy.engine import EngineConfig, PolicyEngine
+    from kvguard.policy.service import PolicyService
     from tests.unit.test_actuator import FlakyBus
 
     settings = Settings()
@@ -151,12 +151,12 @@ def test_slo_recorder_writes_predictions_oom_lead_times_evictions_and_their_outc
 
     import numpy as np
 
-    from kvguard.events import EVENT_DTYPE, EventKind, Outcome
-    from policy.budget import iso_week
-    from policy.commands import Ack, AckOutcome, Action, Command, Target
-    from policy.service import SloRecorder
-    from policy.slo import MemorySloLedger
-    from policy.strategy import Granularity, HandlingChoice
+    from kvguard.contracts.events import EVENT_DTYPE, EventKind, Outcome
+    from kvguard.policy.budget import iso_week
+    from kvguard.contracts.commands import Ack, AckOutcome, Action, Command, Target
+    from kvguard.policy.service import SloRecorder
+    from kvguard.policy.slo import MemorySloLedger
+    from kvguard.policy.strategy import Granularity, HandlingChoice
 
     ledger = MemorySloLedger()
     slo = SloRecorder(ledger, threshold=0.5, horizon_s=30.0, confirm_with_acks=True)

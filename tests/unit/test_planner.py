@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from policy.planner import (
+from kvguard.policy.planner import (
     Candidate,
     CostModel,
     NodeView,
@@ -14,7 +14,7 @@ from policy.planner import (
     units_to_free,
     view_from_tick,
 )
-from policy.strategy import DEFAULT, EMERGENCY, Granularity, HandlingChoice, Selection, Timing, Trigger
+from kvguard.policy.strategy import DEFAULT, EMERGENCY, Granularity, HandlingChoice, Selection, Timing, Trigger
 
 D = 10_000
 COST = CostModel()
@@ -165,8 +165,8 @@ def test_view_from_a_tick_like_mapping():
 
 # -- the policy engine: the planner in context (modes, timing, headroom, signed commands) ------------
 
-from policy.commands import Action, Mode, verify  # noqa: E402
-from policy.engine import EngineConfig, PolicyEngine  # noqa: E402
+from kvguard.contracts.commands import Action, Mode, verify  # noqa: E402
+from kvguard.policy.engine import EngineConfig, PolicyEngine  # noqa: E402
 
 SECRET = b"s"
 
@@ -263,7 +263,7 @@ def test_low_fragmentation_budget_makes_compaction_kick_in_earlier():
 
 # -- the fragmentation trigger read on the workspace need, and the prompt-sized admission hold -------
 
-from policy.planner import compaction_moves, compaction_run_units  # noqa: E402
+from kvguard.policy.planner import compaction_moves, compaction_run_units  # noqa: E402
 
 
 def test_compaction_when_the_largest_run_is_under_the_safety_multiple_and_free_space_suffices():

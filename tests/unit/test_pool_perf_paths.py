@@ -16,13 +16,13 @@ from bisect import bisect_left
 import numpy as np
 import pytest
 
-from kvguard.events import EVENT_DTYPE, EventKind, Geometry, Handling
-from producers.allocator import FreeRunAllocator
-from producers.engine import NS, Engine
-from producers.fleet import Fleet
-from producers.pool import PagedPool, PoolError, _Page, _Table
-from producers.profiles import load_profile
-from producers.workloads import load_workload
+from kvguard.contracts.events import EVENT_DTYPE, EventKind, Geometry, Handling
+from kvguard.producers.allocator import FreeRunAllocator
+from kvguard.producers.engine import NS, Engine
+from kvguard.producers.fleet import Fleet
+from kvguard.producers.pool import PagedPool, PoolError, _Page, _Table
+from kvguard.producers.profiles import load_profile
+from kvguard.producers.workloads import load_workload
 
 
 class SlowAllocator(FreeRunAllocator):

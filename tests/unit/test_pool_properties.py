@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvguard.events import Geometry, Handling
-from producers.pool import (CheckpointMissing, PagedPool, PageState, PoolExhausted, SwapFull, UnknownPage,
+from kvguard.contracts.events import Geometry, Handling
+from kvguard.producers.pool import (CheckpointMissing, PagedPool, PageState, PoolExhausted, SwapFull, UnknownPage,
                             UnknownRequest)
 from tests.unit.pool_replay import ReplayMirror
 

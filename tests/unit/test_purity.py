@@ -4,19 +4,19 @@ import importlib.util
 import subprocess
 import sys
 
-PURE = ["kvguard.events", "kvguard.pressure", "kvguard.eventlog",
-        "producers.pool", "producers.allocator", "producers.engine", "producers.fleet", "producers.workloads",
-        "producers.profiles",
-        "streams.mirror", "streams.metrics", "streams.alerts", "streams.core", "streams.predictor",
-        "policy.strategy", "policy.modes", "policy.planner", "policy.engine", "policy.commands", "policy.budget",
-        "policy.slo", "actuators.executor"]
+PURE = ["kvguard.contracts.events", "kvguard.contracts.pressure", "kvguard.wire.eventlog",
+        "kvguard.producers.pool", "kvguard.producers.allocator", "kvguard.producers.engine", "kvguard.producers.fleet", "kvguard.producers.workloads",
+        "kvguard.producers.profiles",
+        "kvguard.streams.mirror", "kvguard.streams.metrics", "kvguard.streams.alerts", "kvguard.streams.core", "kvguard.streams.predictor",
+        "kvguard.policy.strategy", "kvguard.policy.modes", "kvguard.policy.planner", "kvguard.policy.engine", "kvguard.contracts.commands", "kvguard.policy.budget",
+        "kvguard.policy.slo", "kvguard.actuators.executor"]
 FORBIDDEN = ["faust", "aiokafka", "redis", "pydantic"]
 
 
 def test_pure_core_modules_import_no_adapters():
     present = [m for m in PURE if importlib.util.find_spec(m.rsplit(".", 1)[0]) is not None
                and importlib.util.find_spec(m) is not None]
-    assert {"streams.core", "streams.mirror", "kvguard.events"} <= set(present)
+    assert {"kvguard.streams.core", "kvguard.streams.mirror", "kvguard.contracts.events"} <= set(present)
     code = ("import sys, importlib\n"
             f"for m in {present!r}: importlib.import_module(m)\n"
             f"print(','.join(sorted(b for b in {FORBIDDEN!r} if b in sys.modules)))")

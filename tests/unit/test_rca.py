@@ -10,20 +10,20 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from kvguard import rca
-from kvguard.bootstrap import bootstrap
+from kvguard.ops import rca
+from kvguard.runtime.bootstrap import bootstrap
 from kvguard.cli import app
-from kvguard.eventlog import EventLogWriter, read_event_log
-from kvguard.events import EventKind
+from kvguard.wire.eventlog import EventLogWriter, read_event_log
+from kvguard.contracts.events import EventKind
 
 NS = 1_000_000_000
 
 
 def _record(path: Path, *, rate_scale: float, duration_s: float, seed: int = 0) -> list[dict]:
     """Run the mixed workload on one simulated GPU, write its event log; return the engine's OOM log."""
-    from producers.fleet import Fleet
-    from producers.profiles import load_profile
-    from producers.workloads import load_workload
+    from kvguard.producers.fleet import Fleet
+    from kvguard.producers.profiles import load_profile
+    from kvguard.producers.workloads import load_workload
 
     profile = load_profile(None)
     max_prompt = min(profile.max_model_len - 1024, int(profile.capacity_tokens * 0.6))

@@ -7,8 +7,8 @@ import orjson
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvguard.events import COLUMNS, EVENT_DTYPE, EventBatch, Geometry, PoolState
-from kvguard.schemas import (
+from kvguard.contracts.events import COLUMNS, EVENT_DTYPE, EventBatch, Geometry, PoolState
+from kvguard.wire.schemas import (
     Ack,
     Alert,
     Command,

@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 
 from kvguard.cli import app
 from kvguard.cli.simulate import parse_duration
-from kvguard.eventlog import read_event_log
+from kvguard.wire.eventlog import read_event_log
 
 CONTRACT_FIELDS = {"requests", "completed", "failed", "rejected", "unfinished", "ooms", "preemptions", "ttft_p99_s", "goodput_tokens_per_s",
                    "events", "sim_seconds", "wall_seconds"}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from policy.strategy import (
+from kvguard.policy.strategy import (
     DEFAULT,
     EMERGENCY,
     Granularity,
@@ -78,9 +78,9 @@ def test_strategy_value_is_validated_on_construction():
 
 
 def test_settings_file_and_environment_reach_the_policy_engine_config(tmp_path):
-    from kvguard.bootstrap import engine_config_from
-    from kvguard.settings import Settings
-    from producers.profiles import load_profile
+    from kvguard.runtime.bootstrap import engine_config_from
+    from kvguard.wire.settings import Settings
+    from kvguard.producers.profiles import load_profile
 
     path = tmp_path / "kvguard.toml"
     path.write_text('[policy.default]\nselection = "priority"\nthreshold = 0.8\n')

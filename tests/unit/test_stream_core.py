@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from kvguard.events import EventBatch, EventKind as K
-from streams.core import NodeState, StreamConfig, StreamConfigError, StreamCore
-from streams.metrics import FEATURE_NAMES, Tick
-from streams.predictor import PredictorMismatch
+from kvguard.contracts.events import EventBatch, EventKind as K
+from kvguard.streams.core import NodeState, StreamConfig, StreamConfigError, StreamCore
+from kvguard.streams.metrics import FEATURE_NAMES, Tick
+from kvguard.streams.predictor import PredictorMismatch
 from tests.unit.streams_refpool import RefPool, batches_of, small_geometry
 
 NS = 1_000_000_000
@@ -221,7 +221,7 @@ def test_process_many_merges_contiguous_batches_without_changing_ticks():
 
 
 def test_config_maps_from_settings():
-    from kvguard.settings import Settings
+    from kvguard.wire.settings import Settings
 
     settings = Settings.load(env={"KVGUARD_STREAMS__TICK_S": "5", "KVGUARD_STREAMS__FRAG_FOR_S": "60",
                                   "KVGUARD_PREDICTOR__THRESHOLD": "0.4"})
@@ -238,7 +238,7 @@ def test_metrics_cli_prints_tick_and_alert_lines_for_an_event_log(tmp_path):
     from typer.testing import CliRunner
 
     from kvguard.cli import app
-    from kvguard.eventlog import write_event_log
+    from kvguard.wire.eventlog import write_event_log
 
     pool, expected = drive(seed=12, seconds=90)
     r = pool.arrive()  # then fill the pool for a minute so the threshold tiers fire

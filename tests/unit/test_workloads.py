@@ -3,7 +3,7 @@ import gzip
 import numpy as np
 import pytest
 
-from producers.workloads import (
+from kvguard.producers.workloads import (
     HASH_BLOCK_TOKENS, SCENARIOS, WorkloadError, chain_hashes, load_trace, load_workload, make_scenario,
 )
 

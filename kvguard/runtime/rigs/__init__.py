@@ -4,8 +4,8 @@ Used by ``tests/conftest.py``; usable directly by any test that must stop and re
 or a redis-server (``TansuBroker(...).stop()/start()`` keep the same port).
 """
 
-from tests.rigs.net import free_port, wait_for_port
-from tests.rigs.redis_server import RedisServer
-from tests.rigs.tansu import TansuBroker
+from kvguard.runtime.rigs.net import free_port, wait_for_port
+from kvguard.runtime.rigs.redis_server import RedisServer
+from kvguard.runtime.rigs.tansu import TansuBroker
 
 __all__ = ["RedisServer", "TansuBroker", "free_port", "wait_for_port"]

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from streams.dataset import TickDataset
-from streams.evaluation import NS_PER_S, NodeTrace, evaluate_traces, isolated_ooms, threshold_for_fpr
-from streams.lstm import ModelMetadata, Normalisation, OOMNet
+from kvguard.ml.dataset import TickDataset
+from kvguard.ml.evaluation import NS_PER_S, NodeTrace, evaluate_traces, isolated_ooms, threshold_for_fpr
+from kvguard.streams.lstm import ModelMetadata, Normalisation, OOMNet
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from streams.evaluation import DEFAULT_HORIZON_S, NS_PER_S, labels_for_ticks
+from kvguard.ml.evaluation import DEFAULT_HORIZON_S, NS_PER_S, labels_for_ticks
 
 DATASET_FORMAT = "kvguard-tick-dataset/1"
 TIERS_STORED = ("threshold", "slope")
@@ -360,13 +360,13 @@ def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ti
     """
     import time
 
-    from kvguard.events import EventKind
-    from producers.fleet import Fleet
-    from producers.profiles import load_profile
-    from producers.workloads import load_workload
-    from streams.alerts import FIRING
-    from streams.core import StreamConfig, StreamCore
-    from streams.metrics import FEATURE_NAMES, tick_features
+    from kvguard.contracts.events import EventKind
+    from kvguard.producers.fleet import Fleet
+    from kvguard.producers.profiles import load_profile
+    from kvguard.producers.workloads import load_workload
+    from kvguard.streams.alerts import FIRING
+    from kvguard.streams.core import StreamConfig, StreamCore
+    from kvguard.streams.metrics import FEATURE_NAMES, tick_features
 
     started = time.monotonic()
     profile = load_profile(spec.profile)
@@ -376,7 +376,7 @@ def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ti
     fleet.submit_workload(workload)
     config = StreamConfig(tick_s=tick_s)
     if getattr(predictor, "threshold", None) is not None:  # the model's calibrated operating point
-        from streams.lstm import with_model_threshold
+        from kvguard.streams.lstm import with_model_threshold
 
         config = with_model_threshold(config, predictor)
     core = StreamCore(config, predictor=predictor)
@@ -424,7 +424,7 @@ def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ti
 
 def workload_inputs(workload: str) -> dict[str, str]:
     """{source: sha256} for a trace workload (file or bundled alias); {} for a named scenario."""
-    from producers.workloads import SCENARIOS, resolve_trace_path
+    from kvguard.producers.workloads import SCENARIOS, resolve_trace_path
 
     if workload in SCENARIOS:
         return {}
@@ -437,7 +437,7 @@ def workload_inputs(workload: str) -> dict[str, str]:
 def build_dataset(specs: list[RunSpec], *, tick_s: float = 10.0,
                   progress=None) -> TickDataset:
     """Simulate every run and assemble the dataset. ``progress(i, n, spec, record)`` after each run."""
-    from streams.metrics import FEATURE_NAMES
+    from kvguard.streams.metrics import FEATURE_NAMES
 
     inputs: dict[str, str] = {}
     runs = []

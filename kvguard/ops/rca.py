@@ -4,7 +4,7 @@
 mirror per node applied up to each OOM row, so the free units *at the OOM* are known (a tick is up
 to ``tick_s`` stale). It also keeps the ARRIVE/ADMIT rows (prompt tokens per admitted request).
 ``analyse`` turns that into one ``OomReport`` per OOM: the last ticks before it, each alert tier's
-lead time (``streams.evaluation.lead_times_s`` over ``streams.dataset.firing_by_tier``), whether it
+lead time (``kvguard.ml.evaluation.lead_times_s`` over ``kvguard.ml.dataset.firing_by_tier``), whether it
 was a fragmentation OOM (free units >= requested but largest free run < requested) and the
 requests admitted in the minute before.
 
@@ -19,11 +19,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from kvguard.events import EventBatch, EventKind
-from streams.alerts import FIRING, TIER_NAMES
-from streams.dataset import firing_by_tier
-from streams.evaluation import lead_times_s
-from streams.mirror import AllocatorMirror
+from kvguard.contracts.events import EventBatch, EventKind
+from kvguard.streams.alerts import FIRING, TIER_NAMES
+from kvguard.ml.dataset import firing_by_tier
+from kvguard.ml.evaluation import lead_times_s
+from kvguard.streams.mirror import AllocatorMirror
 
 NS_PER_S = 1_000_000_000
 TIERS = ("threshold", "slope", "lstm")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvguard.events import COLUMNS, EVENT_DTYPE, SCHEMA_VERSION, EventBatch, Geometry, PoolState
+from kvguard.contracts.events import COLUMNS, EVENT_DTYPE, SCHEMA_VERSION, EventBatch, Geometry, PoolState
 
 CREATED_BY = "kvguard"
 

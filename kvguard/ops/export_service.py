@@ -1,7 +1,7 @@
 """`kvguard export` as a service: bus in, Prometheus ``/metrics`` and Alertmanager/webhook out.
 
 One consumer (group ``kvguard-export`` by default) reads ``kvguard.metrics``, ``kvguard.alerts``,
-``kvguard.acks`` and ``kvguard.dlq``, folds them into a ``kvguard.exporter.ExportState`` and
+``kvguard.acks`` and ``kvguard.dlq``, folds them into a ``kvguard.ops.exporter.ExportState`` and
 commits after each fetched batch (at-least-once; the state deduplicates redeliveries). An aiohttp
 server serves the exposition on ``/metrics`` (and ``/healthz``). Alerts go to ``AlertSink``s:
 each has a bounded queue (oldest dropped and counted when full), retries with exponential backoff
@@ -27,9 +27,9 @@ import aiohttp
 from aiohttp import web
 
 from kvguard.bus.base import BusError
-from kvguard.exporter import (CONTENT_TYPE, BoundedKeys, ExportError, ExportState, alert_dedupe_key,
+from kvguard.ops.exporter import (CONTENT_TYPE, BoundedKeys, ExportError, ExportState, alert_dedupe_key,
                               alert_fingerprint, alertmanager_alert, webhook_payload)
-from kvguard.schemas import Ack, Alert, DecodeError, DlqRecord, MetricTick, decode
+from kvguard.wire.schemas import Ack, Alert, DecodeError, DlqRecord, MetricTick, decode
 
 log = logging.getLogger(__name__)
 

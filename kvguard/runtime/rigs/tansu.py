@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 from collections.abc import Mapping
 
-from tests.rigs.net import DIE_WITH_PARENT, free_port, port_open, stop_process, wait_for_port
+from kvguard.runtime.rigs.net import DIE_WITH_PARENT, free_port, port_open, stop_process, wait_for_port
 
 
 def tansu_binary() -> str:
@@ -104,7 +104,7 @@ class TansuBroker:
 def create_topics_sync(bootstrap: str, partitions: Mapping[str, int], retention_ms: int | None = None) -> dict[str, str]:
     """Create topics with kvguard's admin helper from synchronous code (fixtures, scripts)."""
     from kvguard.bus.kafka import create_topics
-    from kvguard.settings import TopicSpec
+    from kvguard.wire.settings import TopicSpec
 
     specs = {name: TopicSpec(name=name, partitions=n, **({"retention_ms": retention_ms} if retention_ms else {}))
              for name, n in partitions.items()}

@@ -28,7 +28,7 @@ import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator
 
-from kvguard.events import COLUMNS, EVENT_DTYPE, EventBatch, Geometry, PoolState
+from kvguard.contracts.events import COLUMNS, EVENT_DTYPE, EventBatch, Geometry, PoolState
 
 SCHEMA_VERSION = "1.0"
 SUPPORTED_MAJOR = 1
@@ -166,7 +166,7 @@ EventColumns = Annotated[Any, PlainValidator(_column_arrays)]
 
 
 class EventBatchRecord(WireModel):
-    """One node's event batch on ``kvguard.events`` (see ``kvguard.events.EventBatch``)."""
+    """One node's event batch on ``kvguard.events`` (see ``kvguard.contracts.events.EventBatch``)."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True, arbitrary_types_allowed=True)
 
@@ -329,7 +329,7 @@ class Alert(WireModel):
 
 
 class Command(WireModel):
-    """A signed policy command on ``kvguard.commands``; fields as ``policy.commands.Command.to_dict``.
+    """A signed policy command on ``kvguard.commands``; fields as ``kvguard.contracts.commands.Command.to_dict``.
 
     Enumerations are plain strings here (the actuator checks them), so a newer minor version
     may add actions without older readers dead-lettering them.
@@ -352,7 +352,7 @@ class Command(WireModel):
 
 
 class Ack(WireModel):
-    """An actuator's acknowledgement on ``kvguard.acks``; fields as ``policy.commands.Ack.to_dict``."""
+    """An actuator's acknowledgement on ``kvguard.acks``; fields as ``kvguard.contracts.commands.Ack.to_dict``."""
 
     command_id: str = Field(min_length=1)
     node: str = Field(min_length=1)

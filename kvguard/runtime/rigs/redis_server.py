@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import tempfile
 
-from tests.rigs.net import DIE_WITH_PARENT, free_port, port_open, stop_process, wait_for_port
+from kvguard.runtime.rigs.net import DIE_WITH_PARENT, free_port, port_open, stop_process, wait_for_port
 
 
 class RedisServer:

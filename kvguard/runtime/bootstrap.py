@@ -43,18 +43,18 @@ class Graph:
     # -- stream side ----------------------------------------------------------------------------
 
     def stream_config(self, **overrides: Any):
-        from streams.core import StreamConfig
+        from kvguard.streams.core import StreamConfig
 
         section = self.settings.predictor
         config = StreamConfig.from_settings(self.settings.streams, section, **overrides)
         if "threshold" not in section.model_fields_set and self.predictor is not None:
-            from streams.lstm import with_model_threshold
+            from kvguard.streams.lstm import with_model_threshold
 
             config = with_model_threshold(config, self.predictor)
         return config
 
     def stream_core(self, *, with_predictor: bool = True):
-        from streams.core import StreamCore
+        from kvguard.streams.core import StreamCore
 
         predictor = self.predictor if with_predictor else None
         window = getattr(predictor, "window_ticks", None)
@@ -64,7 +64,7 @@ class Graph:
     # -- policy side ----------------------------------------------------------------------------
 
     def policy_engine(self):
-        from policy.engine import PolicyEngine
+        from kvguard.policy.engine import PolicyEngine
 
         return PolicyEngine(self.engine_config, self.secret)
 
@@ -72,8 +72,8 @@ class Graph:
         """The SLO recorder over ``slo_ledger`` (default: the graph's; None when neither is set).
         Predictions are labelled at the operating threshold: the predictor's calibrated one unless
         ``predictor.threshold`` is set, the same line the stream's tier-3 alert uses."""
-        from policy.service import SloRecorder
-        from policy.slo import SloConfig
+        from kvguard.policy.service import SloRecorder
+        from kvguard.policy.slo import SloConfig
 
         slo_ledger = slo_ledger if slo_ledger is not None else self.slo_ledger
         if slo_ledger is None:
@@ -85,7 +85,7 @@ class Graph:
 
     def policy_service(self, *, bus: Any = None, ledger: Any = None, slo: Any = None):
         """``slo``: an ``SloRecorder`` (default: one over the graph's SLO ledger, if any)."""
-        from policy.service import PolicyService
+        from kvguard.policy.service import PolicyService
 
         return PolicyService(self.policy_engine(), self.settings, bus=bus or self.bus,
                              ledger=ledger if ledger is not None else self.ledger,
@@ -94,14 +94,14 @@ class Graph:
     # -- node side ------------------------------------------------------------------------------
 
     def fleet(self, n_gpus: int, *, seed: int = 0, host: str = "sim-0", snapshot_every_s: float = 60.0):
-        from producers.fleet import Fleet
+        from kvguard.producers.fleet import Fleet
 
         return Fleet(n_gpus, self.profile, seed=seed, host=host, snapshot_every_s=snapshot_every_s)
 
     def actuators(self, engines: list[Any], *, journal_dir: str | Path | None = None) -> dict[str, Any]:
         """One actuator per engine; with ``journal_dir`` each keeps its applied-id journal there."""
-        from actuators.actuator import Actuator, AppliedJournal
-        from actuators.executor import Executor
+        from kvguard.actuators.actuator import Actuator, AppliedJournal
+        from kvguard.actuators.executor import Executor
 
         out = {}
         for engine in engines:
@@ -120,7 +120,7 @@ def bootstrap(settings: Any = None, *, bus: Any = None, ledger: Any = None, slo_
     """Build the graph. ``predictor``: ``"shipped"`` (load the shipped LSTM if present), ``None``
     (no tier 3), a path, or a ready predictor object. ``require_secret``: multi-process mode, where
     policy and actuators must share ``policy.hmac_secret`` (an embedded run makes one up)."""
-    from kvguard.settings import Settings
+    from kvguard.wire.settings import Settings
 
     settings = settings if settings is not None else Settings.load()
     prof = _profile(profile)
@@ -134,9 +134,9 @@ def bootstrap(settings: Any = None, *, bus: Any = None, ledger: Any = None, slo_
 
 def engine_config_from(settings: Any, profile: Any, strategy_overrides: Mapping[str, Mapping[str, Any]]):
     """Policy numbers: the strategies from settings (and overrides), the rest from the profile."""
-    from policy.engine import EngineConfig
-    from policy.planner import CostModel, PlannerConfig
-    from policy.strategy import PRESETS, strategy_from_mapping
+    from kvguard.policy.engine import EngineConfig
+    from kvguard.policy.planner import CostModel, PlannerConfig
+    from kvguard.policy.strategy import PRESETS, strategy_from_mapping
 
     policy = settings.policy
     default = replace(PRESETS[policy.preset], scan_interval_s=float(policy.async_scan_s), name=policy.preset)
@@ -163,20 +163,20 @@ def engine_config_from(settings: Any, profile: Any, strategy_overrides: Mapping[
 
 def make_ledger(settings: Any, redis_url: str | None = None):
     """The budget ledger: Redis when a URL is given, else the in-memory one (embedded)."""
-    from policy.budget import BudgetConfig, MemoryBudgetLedger
+    from kvguard.policy.budget import BudgetConfig, MemoryBudgetLedger
 
     config = BudgetConfig.from_settings(settings)
     if not redis_url:
         return MemoryBudgetLedger(config)
-    from policy.budget_redis import RedisBudgetLedger
+    from kvguard.policy.budget_redis import RedisBudgetLedger
 
     return RedisBudgetLedger(redis_url, config)
 
 
 def make_slo_ledger(settings: Any, redis_url: str | None = None):
     """The SLO ledger: Redis when a URL is given, else the in-memory one (embedded)."""
-    from policy.slo import SloConfig
-    from policy.slo_redis import open_slo_ledger
+    from kvguard.policy.slo import SloConfig
+    from kvguard.policy.slo_redis import open_slo_ledger
 
     return open_slo_ledger(redis_url, SloConfig.from_settings(settings))
 
@@ -196,7 +196,7 @@ def make_bus(settings: Any, bus_url: str | None):
 
 
 def _profile(name: str | None):
-    from producers.profiles import load_profile
+    from kvguard.producers.profiles import load_profile
 
     return load_profile(name)
 
@@ -218,8 +218,8 @@ def _predictor(settings: Any, predictor: Any) -> tuple[Any, str]:
         return predictor, "LSTM tier: given predictor"
     path = settings.predictor.model_path if predictor == "shipped" else predictor
     try:
-        from streams.lstm import ModelError, load_model
-        from streams.metrics import FEATURE_NAMES
+        from kvguard.streams.lstm import ModelError, load_model
+        from kvguard.streams.metrics import FEATURE_NAMES
     except ImportError as err:  # torch missing
         return None, f"no LSTM tier ({err})"
     try:
