@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from kvguard.actuators.executor import Executor
+from kvguard.bus.deliver import deliver_all
 from kvguard.contracts.commands import Ack, AckOutcome, Command, CommandError, verify
 
 log = logging.getLogger(__name__)
@@ -193,7 +194,6 @@ async def run_actuators(bus: Any, settings: Any, actuators: Mapping[str, Actuato
     """
     from kvguard.bus.dlq import RecordDecoder
     from kvguard.wire.schemas import make_headers
-    from kvguard.policy.service import deliver_all
 
     commands_topic = settings.topics.name("commands")
     acks_topic = settings.topics.name("acks")

@@ -28,10 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvguard.contracts.events import Handling
 from kvguard.contracts.commands import AckOutcome, Action, Command, Target
-from kvguard.producers.pool_types import PageState, SwapFull, UnknownRequest
-from kvguard.policy.strategy import Granularity, HandlingChoice
+from kvguard.contracts.dimensions import Granularity, HandlingChoice
+from kvguard.contracts.events import Handling
+from kvguard.contracts.pool_types import PageState, SwapFull, UnknownRequest
 
 HANDLINGS: dict[HandlingChoice, Handling] = {
     HandlingChoice.RECOMPUTE: Handling.RECOMPUTE,

@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvguard.policy.budget import NS_PER_S, BudgetConfig, MemoryBudgetLedger, week_start_ns  # noqa: E402
+from kvguard.contracts.units import NS_PER_S  # noqa: E402
+from kvguard.policy.budget import BudgetConfig, MemoryBudgetLedger, week_start_ns  # noqa: E402
 
 
 def run(ledger, ticks: int, nodes: int) -> dict[str, float]:

@@ -37,11 +37,10 @@ import time
 import uuid
 from pathlib import Path
 
+from kvguard.contracts.units import NS_PER_S
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-NS = 1_000_000_000
-
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -71,10 +70,11 @@ def terminate(proc: subprocess.Popen) -> None:
 async def run(opts, bootstrap: str, work: Path) -> dict:
     import numpy as np
 
-    from kvguard.runtime.bootstrap import bootstrap as build, make_bus
     from kvguard.bus.kafka import create_topics
-    from kvguard.cli.demo import demo_workload
-    from kvguard.cli.node import run_node
+    from kvguard.runtime.bootstrap import bootstrap as build
+    from kvguard.runtime.bootstrap import make_bus
+    from kvguard.runtime.embedded import demo_workload
+    from kvguard.runtime.node import run_node
     from kvguard.wire.settings import Settings
 
     prefix = f"lat{uuid.uuid4().hex[:8]}."
@@ -114,7 +114,7 @@ async def run(opts, bootstrap: str, work: Path) -> dict:
 
     def on_ack(ack) -> None:
         if ack.outcome.value in ("executed", "noop") and state["t0"] is not None:
-            samples.append(time.perf_counter() - (state["t0"] + ack.issued_at_ns / NS))
+            samples.append(time.perf_counter() - (state["t0"] + ack.issued_at_ns / NS_PER_S))
 
     def progress(done_s: float, total_s: float) -> None:
         if state["t0"] is None:

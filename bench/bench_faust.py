@@ -26,10 +26,9 @@ import time
 import uuid
 from pathlib import Path
 
+from kvguard.contracts.units import NS_PER_S
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-NS = 1_000_000_000
-
 
 def make_batches(gpus: int, seconds: int, flush_s: float, rate_scale: float, seed: int):
     from kvguard.producers.fleet import Fleet
@@ -39,8 +38,8 @@ def make_batches(gpus: int, seconds: int, flush_s: float, rate_scale: float, see
     fleet = Fleet(gpus, load_profile(), seed=seed)
     fleet.submit_workload(load_workload("mixed", rate_scale=rate_scale, window=seconds, seed=seed))
     batches = []
-    step = int(flush_s * NS)
-    for now in range(step, seconds * NS + 1, step):
+    step = int(flush_s * NS_PER_S)
+    for now in range(step, seconds * NS_PER_S + 1, step):
         fleet.advance(now)
         batches.extend(fleet.take_batches(now))
     return batches

@@ -1,4 +1,4 @@
-"""Tier-3 inference time per tick for a fleet of GPUs on CPU (DESIGN §7 target: 1,000 GPUs x
+"""Tier-3 inference time per tick for a fleet of GPUs on CPU (docs/ARCHITECTURE.md "Targets": 1,000 GPUs x
 30-minute windows <= 20 ms per tick). Prints one JSON object.
 
 Two paths are timed with the same model:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvguard.producers.engine import NS  # noqa: E402
+from kvguard.contracts.units import NS_PER_S  # noqa: E402
 from kvguard.producers.fleet import Fleet  # noqa: E402
 from kvguard.producers.profiles import load_profile  # noqa: E402
 from kvguard.producers.workloads import load_workload  # noqa: E402
@@ -35,21 +35,21 @@ def run_case(profile_name: str, workload: str, rate_scale: float, seconds: float
     t0 = time.perf_counter()
     cpu0 = time.process_time()
     for t in range(1, int(seconds) + 1):
-        fleet.advance(t * NS)
+        fleet.advance(t * NS_PER_S)
         running.append(len(engine._running))
         if t % 10 == 0:
-            events += sum(len(b) for b in fleet.take_batches(t * NS))
+            events += sum(len(b) for b in fleet.take_batches(t * NS_PER_S))
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
-    events += sum(len(b) for b in fleet.take_batches(int(seconds) * NS))
+    events += sum(len(b) for b in fleet.take_batches(int(seconds) * NS_PER_S))
     s = fleet.summary()
     busy = [r for r in running if r > 0]
     return {
         "profile": profile_name, "workload": workload, "rate_scale": rate_scale,
-        "sim_seconds": round(engine.now_ns / NS, 1), "wall_seconds": round(wall, 3),
-        "sim_seconds_per_wall_second": round(engine.now_ns / NS / wall, 1),
+        "sim_seconds": round(engine.now_ns / NS_PER_S, 1), "wall_seconds": round(wall, 3),
+        "sim_seconds_per_wall_second": round(engine.now_ns / NS_PER_S / wall, 1),
         "cpu_seconds": round(cpu, 3),
-        "sim_seconds_per_cpu_second": round(engine.now_ns / NS / cpu, 1),
+        "sim_seconds_per_cpu_second": round(engine.now_ns / NS_PER_S / cpu, 1),
         "concurrent_mean": round(sum(running) / len(running), 1),
         "concurrent_mean_busy": round(sum(busy) / len(busy), 1) if busy else 0.0,
         "concurrent_max": max(running), "events": events, "events_per_wall_second": round(events / wall),

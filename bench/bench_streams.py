@@ -15,7 +15,7 @@ import json
 import sys
 import time
 
-NS = 1_000_000_000
+from kvguard.contracts.units import NS_PER_S
 
 
 def make_log(gpus: int, seconds: float, scenario: str, rate_scale: float, flush_s: float, seed: int):
@@ -28,8 +28,8 @@ def make_log(gpus: int, seconds: float, scenario: str, rate_scale: float, flush_
     fleet = Fleet(gpus, profile, seed=seed)
     fleet.submit_workload(workload)
     batches = []
-    step = int(flush_s * NS)
-    for now in range(step, int(seconds * NS) + 1, step):
+    step = int(flush_s * NS_PER_S)
+    for now in range(step, int(seconds * NS_PER_S) + 1, step):
         fleet.advance(now)
         batches.extend(fleet.take_batches(now))
     return batches, fleet.summary()

@@ -23,7 +23,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol
 
-NS_PER_S = 1_000_000_000
+from kvguard.contracts.units import NS_PER_S
+
 WEEK_S = 7 * 86_400
 ALERT_RULE = "FragmentationBudgetExhausted"
 _WEEK_RE = re.compile(r"^(\d{4})-W(\d{2})$")

@@ -38,7 +38,7 @@ Per tick and node:
    horizon): the burst it guards against lands on a calm node within one tick (measured: a
    node released after 300 calm seconds crashed 64 s later), and on a calm node it costs
    nothing, since admission only feels it once the node is ~55 % full.
-6. Compaction trigger (DESIGN §5's "fragmentation" trigger, read on the real need): when the
+6. Compaction trigger (the "fragmentation" trigger of docs/ARCHITECTURE.md "Policy", read on the real need): when the
    largest free run falls under ``planner.compact_run_factor`` run requirements while the free
    space in total is at least that, the structural guard fires and the plan compacts (no
    eviction: free space suffices, it is only scattered).
@@ -53,11 +53,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvguard.contracts.commands import Action, Command, Mode, Target, command_id, sign
+from kvguard.contracts.units import NS_PER_S
 from kvguard.policy.modes import ModeChange, ModeConfig, ModeTracker
 from kvguard.policy.planner import CostModel, NodeView, Plan, PlannerConfig, compaction_run_units, plan, view_from_tick
 from kvguard.policy.strategy import DEFAULT, EMERGENCY, Strategy, Timing, Trigger
-
-NS = 1_000_000_000
 
 
 @dataclass(slots=True, frozen=True)
@@ -246,7 +245,7 @@ class PolicyEngine:
         return max(self._prompt_max.values(), default=0)
 
     def _note_prompts(self, view: NodeView) -> None:
-        minute = view.ts_ns // (60 * NS)
+        minute = view.ts_ns // (60 * NS_PER_S)
         horizon = int(self.config.prompt_horizon_s // 60)
         for old in [m for m in self._prompt_max if m < minute - horizon]:
             del self._prompt_max[old]
@@ -268,7 +267,7 @@ class PolicyEngine:
             # calm: the strategy's part is released; the prompt-sized part stays, since the
             # burst it guards against lands on a calm node within one tick
             want = self.prompt_hold_units() if self._calm[view.node] >= self.config.headroom_calm_ticks else held
-        stale = view.ts_ns - last_ns >= self.config.headroom_refresh_s * NS
+        stale = view.ts_ns - last_ns >= self.config.headroom_refresh_s * NS_PER_S
         if want == held and not (held and stale):
             return None
         self._held[view.node] = (want, view.ts_ns)
@@ -296,7 +295,7 @@ class PolicyEngine:
         if strategy.timing is not Timing.ASYNC:
             return True
         last = self._last_scan_ns.get(view.node)
-        if last is not None and view.ts_ns - last < strategy.scan_interval_s * NS:
+        if last is not None and view.ts_ns - last < strategy.scan_interval_s * NS_PER_S:
             return False
         self._last_scan_ns[view.node] = view.ts_ns
         return True
@@ -305,7 +304,7 @@ class PolicyEngine:
 
     def _commands(self, view: NodeView, strategy: Strategy, mode: Mode, the_plan: Plan,
                   headroom: int | None, reason: str, epoch: int = 0) -> list[Command]:
-        ttl_ns = int(self.config.command_ttl_s * NS)
+        ttl_ns = int(self.config.command_ttl_s * NS_PER_S)
         common = dict(node=view.node, granularity=strategy.granularity, handling=strategy.handling,
                       reason=reason, mode=mode, variant=strategy.variant,
                       issued_at_ns=view.ts_ns, ttl_ns=ttl_ns)
@@ -344,7 +343,7 @@ class PolicyEngine:
 
     def _recent_victims(self, view: NodeView) -> dict[int, int]:
         recent = self._recent.setdefault(view.node, {})
-        horizon = view.ts_ns - int(self.config.recent_victim_s * NS)
+        horizon = view.ts_ns - int(self.config.recent_victim_s * NS_PER_S)
         for req in [r for r, ts in recent.items() if ts < horizon]:
             del recent[req]
         return recent

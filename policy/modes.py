@@ -1,4 +1,4 @@
-"""DEFAULT ⇄ EMERGENCY per node (DESIGN §5).
+"""DEFAULT ⇄ EMERGENCY per node (docs/ARCHITECTURE.md, "Policy").
 
 Escalate to EMERGENCY when DEFAULT is failing on that node:
 

@@ -25,7 +25,7 @@ Compaction instead of eviction
 Free space can be plentiful and still useless: an engine step needs its workspace buffer as one
 contiguous run, and with several page sizes a large-class page needs an aligned contiguous run
 too. ``required_run_units`` is one full step's workspace and a largest-class page. The
-fragmentation trigger (DESIGN §5) is read on that need, not on F_ext alone: when the largest
+fragmentation trigger (docs/ARCHITECTURE.md, "Policy") is read on that need, not on F_ext alone: when the largest
 free run is below ``compact_run_factor`` × the requirement (a safety multiple: between two
 10-second ticks an engine runs hundreds of steps, and on the shadow engine the run a workspace
 OOM finds was ~3000 units ten seconds earlier) but the free space in total is at least that,
@@ -70,9 +70,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from kvguard.contracts.pressure import ALPHA, BETA
+from kvguard.contracts.units import DEFAULT_PRIORITY
 from kvguard.policy.strategy import Granularity, HandlingChoice, Selection, Strategy
-
-DEFAULT_PRIORITY = 5
 
 
 @dataclass(slots=True, frozen=True)

@@ -21,18 +21,18 @@ sizes, the utilization split in units) reach the planner.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvguard.bus.deliver import deliver_all
 from kvguard.contracts.commands import Command, Mode
+from kvguard.contracts.tiers import LEAD_TIME_SIGNALS, AlertThresholds, signal_conditions
 from kvguard.policy.engine import Decision, PolicyEngine
 from kvguard.policy.modes import ModeChange
 
 log = logging.getLogger(__name__)
-delivery_log = logging.getLogger("policy.delivery")  # retries through a broker outage
 ledger_log = logging.getLogger("policy.ledger")  # budget/SLO ledger unreachable (once per outage)
 
 MODE_ALERT = "KVGuardPolicyEmergency"
@@ -166,63 +166,6 @@ class PolicyService:
             await subscription.close()
 
 
-async def deliver_all(bus: Any, records: list[tuple], *, stop: Any = None, label: str = "kvguard",
-                      backoff_s: float = 0.1, max_backoff_s: float = 5.0) -> bool:
-    """Publish ``records`` ((topic, key, value, headers) tuples) and await every delivery.
-
-    ``bus.publish`` only queues a record; its future says whether the broker took it. A record
-    refused with ``SendBufferFull`` or whose delivery failed is published again after a backoff
-    (doubling up to ``max_backoff_s``), in the original order, until all are delivered. A
-    retried record may arrive twice or after a later one: commands are idempotent (id) and
-    headroom is a level, so that is safe. Returns False when ``stop`` (an asyncio.Event) is set
-    while records are still undelivered; ``BusClosed`` propagates (retrying cannot help).
-    """
-    from kvguard.bus.base import BusClosed, SendBufferFull
-
-    pending = list(records)
-    delay = backoff_s
-    attempt = 0
-    while pending:
-        attempt += 1
-        queued: list[tuple[tuple, Any]] = []
-        failed: list[tuple] = []
-        error: BaseException | None = None
-        for i, record in enumerate(pending):
-            try:
-                queued.append((record, await bus.publish(*record)))
-            except SendBufferFull as err:
-                error = err
-                failed.extend(pending[i:])  # the buffer is full: the rest would wait the same
-                break
-        results = await asyncio.gather(*(fut for _, fut in queued), return_exceptions=True)
-        for (record, _), result in zip(queued, results):
-            if isinstance(result, BusClosed):
-                raise result
-            if isinstance(result, BaseException):
-                failed.append(record)
-                error = error or result
-        if not failed:
-            if attempt > 1:
-                delivery_log.warning("%s: delivered after %d attempts", label, attempt)
-            return True
-        order = {id(r): i for i, r in enumerate(pending)}
-        pending = sorted(failed, key=lambda r: order[id(r)])
-        delivery_log.warning("%s: %d record(s) not delivered (%s: %s); retrying in %.1f s", label, len(pending),
-                    type(error).__name__, error, delay)
-        if stop is not None and stop.is_set():
-            return False
-        if stop is None:
-            await asyncio.sleep(delay)
-        else:
-            try:
-                await asyncio.wait_for(stop.wait(), delay)
-                return False
-            except TimeoutError:
-                pass
-        delay = min(max_backoff_s, delay * 2)
-    return True
-
-
 def mode_alert(change: ModeChange) -> dict:
     """A mode change as a ``kvguard.alerts`` record (Alertmanager-shaped)."""
     firing = change.to_mode is Mode.EMERGENCY
@@ -245,9 +188,6 @@ def budget_alert_record(alert: Any) -> dict:
 
 # ----------------------------------------------------------------------------- SLO recording
 
-TIER_RULES = ("threshold", "slope", "fragmentation", "lstm")
-
-
 @dataclass(slots=True)
 class SloCounters:
     ticks: int = 0
@@ -268,7 +208,7 @@ class SloRecorder:
       ``threshold`` once its horizon has passed (positive: an OOM on the node within the horizon);
     * OOMs: a tick counting OOMs records one OOM at the tick's time with each tier's lead time,
       the time since that tier's condition has held without a break on the node's earlier ticks
-      (0: the tier did not see it coming). Tier conditions are the alert rules' (DESIGN §4)
+      (0: the tier did not see it coming). Tier conditions are the alert rules' (docs/ARCHITECTURE.md, "Alerts and prediction")
       without their ``for`` durations: threshold = U_kv or Ψ above critical, slope = U_kv rising
       faster than the slope line, fragmentation = U_kv and F_ext both high, lstm = P(OOM) at or
       above the operating threshold (only when ticks carry a P(OOM));
@@ -307,7 +247,7 @@ class SloRecorder:
         p_oom = get("p_oom")
         onset = self._onset.setdefault(node, {})
         if int(get("ooms") or 0) > 0:
-            tiers = [t for t in TIER_RULES if t != "lstm" or p_oom is not None]
+            tiers = [t for t in LEAD_TIME_SIGNALS if t != "lstm" or p_oom is not None]
             leads = {t: (ts_ns - onset[t]) / 1e9 if t in onset else 0.0 for t in tiers}
             self.tracker.observe_oom(node, ts_ns)
             if self._call(self.ledger.record_oom, node, ts_ns, leads):
@@ -321,15 +261,10 @@ class SloRecorder:
         self._resolve(ts_ns)
 
     def _conditions(self, get: Any, p_oom: Any) -> dict[str, bool]:
-        t = self.thresholds
-        u_kv, psi, f_ext = float(get("u_kv") or 0.0), float(get("psi") or 0.0), float(get("f_ext") or 0.0)
-        slope = float(get("slope_per_min") or 0.0)
-        return {
-            "threshold": u_kv > getattr(t, "u_kv_critical", 0.90) or psi >= getattr(t, "psi_critical", 0.95),
-            "slope": slope > getattr(t, "slope_per_min", 0.05),
-            "fragmentation": u_kv > getattr(t, "frag_u_kv", 0.88) and f_ext > getattr(t, "frag_f_ext", 0.5),
-            "lstm": p_oom is not None and float(p_oom) >= self.threshold,
-        }
+        return signal_conditions(self.thresholds or AlertThresholds(), u_kv=float(get("u_kv") or 0.0),
+                                 psi=float(get("psi") or 0.0), f_ext=float(get("f_ext") or 0.0),
+                                 slope_per_min=float(get("slope_per_min") or 0.0),
+                                 p_oom=None if p_oom is None else float(p_oom), p_oom_threshold=self.threshold)
 
     def _resolve(self, now_ns: int) -> None:
         for outcome in self.tracker.resolve(now_ns):

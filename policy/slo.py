@@ -23,9 +23,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Protocol
 
-from kvguard.policy.budget import NS_PER_S, iso_week, parse_week, shift_week
+from kvguard.contracts.tiers import LEAD_TIME_SIGNALS
+from kvguard.contracts.units import NS_PER_S
+from kvguard.policy.budget import iso_week, parse_week, shift_week
 
-TIERS = ("threshold", "slope", "fragmentation", "lstm")
+TIERS = LEAD_TIME_SIGNALS
 PENDING, COMPLETED, FAILED = "pending", "completed", "failed"
 
 

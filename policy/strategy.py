@@ -1,4 +1,4 @@
-"""The strategy space of DESIGN §5: five dimensions, three options each (3⁵ = 243 strategies).
+"""The strategy space (docs/ARCHITECTURE.md, "Policy"): five dimensions, three options each (3⁵ = 243 strategies).
 
 A ``Strategy`` is a validated value: every option is an enum member and every threshold is a
 number in range, so a bad configuration fails here, once, with the offending field named
@@ -23,35 +23,7 @@ from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 from typing import Any, Mapping
 
-
-class Granularity(StrEnum):
-    REQUEST = "request"  # free all of the victim's pages; it goes back to the waiting queue
-    BLOCK = "block"  # free tail pages, keep the (shared) prefix
-    TOKEN = "token"  # free the least recently written page runs of the victim
-
-
-class Selection(StrEnum):
-    LRU = "lru"
-    PRIORITY = "priority"
-    COST = "cost"
-
-
-class Timing(StrEnum):
-    SYNC = "sync"  # act on every tick whose trigger fires
-    ASYNC = "async"  # act at most once per scan interval
-    PREDICTIVE = "predictive"  # act when the forecast crosses the threshold within the horizon
-
-
-class HandlingChoice(StrEnum):
-    RECOMPUTE = "recompute"
-    SWAP = "swap"
-    CHECKPOINT = "checkpoint"
-
-
-class Trigger(StrEnum):
-    HARD = "hard"  # U_kv or Ψ above the hard threshold
-    SOFT = "soft"  # U_kv or Ψ above the soft threshold, or the prediction says so
-    FRAGMENTATION = "fragmentation"  # F_ext above its threshold
+from kvguard.contracts.dimensions import Granularity, HandlingChoice, Selection, Timing, Trigger
 
 
 class StrategyError(ValueError):

@@ -1,4 +1,4 @@
-"""The shadow engine: continuous batching over a workload on a simulated clock (DESIGN §2).
+"""The shadow engine: continuous batching over a workload on a simulated clock (docs/ARCHITECTURE.md, "Node side").
 
 One ``Engine`` drives one ``PagedPool``. Each step schedules running requests first (one decode
 token each, then the next chunk of any unfinished prefill), then admits waiting requests while the
@@ -41,13 +41,12 @@ from enum import IntEnum
 
 import numpy as np
 
+from kvguard.contracts.dimensions import Granularity
 from kvguard.contracts.events import F_PRIORITY_DEFAULTED, EventKind, Handling, Outcome
-from kvguard.producers.pool_types import EvictResult, PageState, PoolError, PoolExhausted
+from kvguard.contracts.pool_types import EvictResult, PageState, PoolError, PoolExhausted
+from kvguard.contracts.units import DEFAULT_PRIORITY, NS_PER_S
 from kvguard.producers.profiles import Profile
 from kvguard.producers.workloads import HASH_BLOCK_TOKENS, Request, mix_hash
-
-NS = 1_000_000_000
-DEFAULT_PRIORITY = 5
 
 
 class SeqState(IntEnum):
@@ -56,12 +55,7 @@ class SeqState(IntEnum):
     SWAPPED = 2
     FINISHED = 3
 
-
-class Granularity:
-    REQUEST = "request"
-    BLOCK = "block"
-    TOKEN = "token"
-    ALL = ("request", "block", "token")
+GRANULARITIES = tuple(g.value for g in Granularity)
 
 
 @dataclass(slots=True)
@@ -318,7 +312,7 @@ class Engine:
         batched = prefill_tokens + len(scheduled_decode)
         if batched == 0:
             return False
-        duration = int(self.profile.step_seconds(prefill_tokens, len(scheduled_decode)) * NS)
+        duration = int(self.profile.step_seconds(prefill_tokens, len(scheduled_decode)) * NS_PER_S)
         if not self._run_step(now, batched, len(scheduled_decode), duration):
             return True
         end = now + duration
@@ -339,7 +333,7 @@ class Engine:
     def _fused_decode(self, decode: list[_Seq], until_ns: int) -> bool:
         now = self.now_ns
         n = len(decode)
-        per_step = int(self.profile.step_seconds(0, n) * NS)
+        per_step = int(self.profile.step_seconds(0, n) * NS_PER_S)
         k = min(self.config.max_fused_steps, min(s.max_out - s.generated for s in decode))
         horizon = self._arrivals[0][0] if self._arrivals else until_ns
         horizon = min(horizon, until_ns)
@@ -361,7 +355,7 @@ class Engine:
         if not grown:
             return False
         if len(grown) != n:
-            per_step = int(self.profile.step_seconds(0, len(grown)) * NS)
+            per_step = int(self.profile.step_seconds(0, len(grown)) * NS_PER_S)
         duration = per_step * k
         if not self._run_step(now, len(grown), len(grown), duration, steps=k):
             return True
@@ -554,7 +548,7 @@ class Engine:
     def _crash(self, now: int, req: int, units: int, largest: int, what: str, free_units: int) -> None:
         self.ooms += 1
         # fragmentation: the total free space would have sufficed, only a contiguous run was missing
-        self.oom_log.append({"t_s": round(now / NS, 3), "what": what, "requested_units": units,
+        self.oom_log.append({"t_s": round(now / NS_PER_S, 3), "what": what, "requested_units": units,
                              "largest_free_run": largest, "free_units": free_units,
                              "fragmentation": free_units >= units, "running": len(self._running),
                              "waiting": len(self._waiting), "swapped": len(self._swapped)})
@@ -570,7 +564,7 @@ class Engine:
         self._swapped.clear()
         self._waiting.clear()
         self.pool.reset(now)
-        self.down_until_ns = now + int(self.config.restart_s * NS)
+        self.down_until_ns = now + int(self.config.restart_s * NS_PER_S)
         self.now_ns = now + 1
 
     # ------------------------------------------------------------------ swapped requests
@@ -607,8 +601,8 @@ class Engine:
         The request leaves the running set: RECOMPUTE/RETAIN -> waiting (RETAIN re-maps its pages on
         re-admission), SWAP/CHECKPOINT -> swapped (brought back when there is room). A finished or
         unknown request returns a no-op result."""
-        if granularity not in Granularity.ALL:
-            raise ValueError(f"granularity: expected one of {Granularity.ALL}, got {granularity!r}")
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
         handling = Handling(handling)
         s = self._seqs.get(req)
         if s is None or s.state is not SeqState.RUNNING:
@@ -679,15 +673,15 @@ class Engine:
 
     def summary(self) -> RunSummary:
         def pct(values, q):
-            return round(float(np.percentile(np.asarray(values, dtype=np.float64), q)) / NS, 6) if values else None
+            return round(float(np.percentile(np.asarray(values, dtype=np.float64), q)) / NS_PER_S, 6) if values else None
 
-        sim_s = self.now_ns / NS
+        sim_s = self.now_ns / NS_PER_S
         return RunSummary(
             requests=self.requests, completed=self.completed, failed=self.failed, rejected=self.rejected,
             unfinished=len(self._seqs), ooms=self.ooms,
             preemptions=self.preemptions, ttft_p50_s=pct(self._ttft_ns, 50), ttft_p99_s=pct(self._ttft_ns, 99),
             tpot_p50_s=pct(self._tpot_ns, 50), tpot_p99_s=pct(self._tpot_ns, 99),
             goodput_tokens_per_s=round(self.goodput_tokens / sim_s, 3) if sim_s > 0 else 0.0,
-            downtime_s=round(self.downtime_ns / NS, 3), sim_seconds=round(sim_s, 3),
+            downtime_s=round(self.downtime_ns / NS_PER_S, 3), sim_seconds=round(sim_s, 3),
             events=self.events_recorded,
         )

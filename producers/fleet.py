@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from kvguard.contracts.events import EVENT_DTYPE, EventBatch
-from kvguard.producers.engine import NS, Engine, EngineConfig, RunSummary
+from kvguard.contracts.units import NS_PER_S
+from kvguard.producers.engine import Engine, EngineConfig, RunSummary
 from kvguard.producers.profiles import Profile
 from kvguard.producers.workloads import Request, Workload
 
@@ -51,7 +52,7 @@ def make_pool(profile: Profile, node: str, *, retain_ttl_s: float = 300.0, check
     from kvguard.producers.pool import PagedPool
 
     return PagedPool(profile.geometry, node=node, swap_capacity_units=profile.swap_capacity_units,
-                     checkpoint_dir=checkpoint_dir, retain_ttl_ns=int(retain_ttl_s * NS), fit="best")
+                     checkpoint_dir=checkpoint_dir, retain_ttl_ns=int(retain_ttl_s * NS_PER_S), fit="best")
 
 
 class Fleet:
@@ -65,7 +66,7 @@ class Fleet:
         self.seed = seed
         self.epoch = seed
         self.router = ROUTERS[router]
-        self.snapshot_every_ns = int(snapshot_every_s * NS)
+        self.snapshot_every_ns = int(snapshot_every_s * NS_PER_S)
         self.engines = [Engine(make_pool(profile, f"{host}/gpu{i}"), profile, node=f"{host}/gpu{i}",
                                seed=seed, config=config) for i in range(n_gpus)]
         self.nodes = [e.node for e in self.engines]
@@ -132,9 +133,9 @@ class Fleet:
         tpot = np.concatenate([np.asarray(e._tpot_ns, dtype=np.float64) for e in self.engines])
 
         def pct(values, q):
-            return round(float(np.percentile(values, q)) / NS, 6) if len(values) else None
+            return round(float(np.percentile(values, q)) / NS_PER_S, 6) if len(values) else None
 
-        sim_s = max(e.now_ns for e in self.engines) / NS
+        sim_s = max(e.now_ns for e in self.engines) / NS_PER_S
         return RunSummary(
             requests=sum(s.requests for s in sims), completed=sum(s.completed for s in sims),
             failed=sum(s.failed for s in sims), rejected=sum(s.rejected for s in sims),

@@ -1,4 +1,4 @@
-"""PagedPool: the paged KV pool of one GPU (DESIGN §2), recording allocator events (DESIGN §3).
+"""PagedPool: the paged KV pool of one GPU (docs/ARCHITECTURE.md, "Node side"), recording allocator events (docs/ARCHITECTURE.md, "Metrics").
 
 The dynamic region D (``geometry.dynamic_units`` units of ``unit_tokens`` tokens) is one arena
 shared by KV pages and per-step workspace buffers, managed by a contiguous free-run allocator
@@ -81,12 +81,32 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from kvguard.contracts import pressure
-from kvguard.contracts.events import (EVENT_DTYPE, F_TO_CACHE, EventKind, Geometry, Handling, PoolState,
-                            RegionState, empty_events, free_runs_checksum)
+from kvguard.contracts.events import (
+    EVENT_DTYPE,
+    F_TO_CACHE,
+    EventKind,
+    Geometry,
+    Handling,
+    PoolState,
+    RegionState,
+    empty_events,
+    free_runs_checksum,
+)
+from kvguard.contracts.pool_types import (
+    CheckpointMissing,
+    EvictResult,
+    PageInfo,
+    PageState,
+    PoolError,
+    PoolExhausted,
+    PoolMetrics,
+    SwapFull,
+    UnknownPage,
+    UnknownRequest,
+    UnknownWorkspace,
+    UtilizationSplit,
+)
 from kvguard.producers.allocator import FreeRunAllocator
-from kvguard.producers.pool_types import (CheckpointMissing, EvictResult, PageInfo, PageState, PoolError,
-                                  PoolExhausted, PoolMetrics, SwapFull, UnknownPage, UnknownRequest,
-                                  UnknownWorkspace, UtilizationSplit)
 
 __all__ = ["PagedPool", "PoolError", "PoolExhausted", "SwapFull", "UnknownRequest", "UnknownPage",
            "UnknownWorkspace", "CheckpointMissing", "EvictResult", "PageInfo", "PageState", "PoolMetrics",
@@ -515,7 +535,7 @@ class PagedPool:
         freed = tokens = units = 0
         pages, page_end = self._pages, self._page_end
         alloc = self._alloc
-        inline = alloc._starts is None
+        inline = alloc.fit == "best"
         rows = self._rows  # appended in place: the same buffer _emit writes to
         blocks: list[tuple[int, int]] = []  # freed in one call after the loop: coalescing is order-free
         for entry in reversed(table.entries):

@@ -28,9 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kvguard.contracts.units import NS_PER_S
+
 HASH_BLOCK_TOKENS = 64
 MOONCAKE_BLOCK_TOKENS = 512
-NS = 1_000_000_000
 SCENARIOS = ("mixed", "sessions", "rag", "drill")
 _DATA_DIR = Path(__file__).with_name("data")
 TRACE_ALIASES = {
@@ -69,7 +70,7 @@ class Workload:
         return len(self.requests)
 
     def duration_s(self) -> float:
-        return self.requests[-1].arrival_ns / NS if self.requests else 0.0
+        return self.requests[-1].arrival_ns / NS_PER_S if self.requests else 0.0
 
     def describe(self) -> dict:
         prompts = np.array([r.prompt_tokens for r in self.requests] or [0])
@@ -139,13 +140,13 @@ def _azure_ns(path: str, line_no: int, ts: str, day_cache: dict) -> int:
     try:
         day, clock = ts.split(" ")
         if day not in day_cache:
-            day_cache[day] = date.fromisoformat(day).toordinal() * 86400 * NS
+            day_cache[day] = date.fromisoformat(day).toordinal() * 86400 * NS_PER_S
         hh, mm, ss = clock.split(":")
         whole, _, frac = ss.partition(".")
         frac_ns = int((frac + "000000000")[:9]) if frac else 0
         if not (whole.isdigit() and (not frac or frac.isdigit())):
             raise ValueError(ss)
-        return day_cache[day] + (int(hh) * 3600 + int(mm) * 60 + int(whole)) * NS + frac_ns
+        return day_cache[day] + (int(hh) * 3600 + int(mm) * 60 + int(whole)) * NS_PER_S + frac_ns
     except ValueError:
         raise WorkloadError(path, line_no, f"TIMESTAMP like 'YYYY-MM-DD HH:MM:SS.fffffff', got {ts!r}") from None
 
@@ -189,7 +190,7 @@ def _load_csv(path: str, lines: list[str], header: list[str], rng, poisson_rate_
             p, o = parts[idx[1]], parts[idx[2]]
         elif kind == "vidur":
             try:
-                t = int(round(float(parts[idx[0]]) * NS))
+                t = int(round(float(parts[idx[0]]) * NS_PER_S))
             except ValueError:
                 raise WorkloadError(path, line_no, f"float arrived_at seconds, got {parts[idx[0]]!r}") from None
             p, o = parts[idx[1]], parts[idx[2]]
@@ -201,7 +202,7 @@ def _load_csv(path: str, lines: list[str], header: list[str], rng, poisson_rate_
     if kind == "lengths":
         gaps = rng.exponential(1.0 / poisson_rate_per_s, size=len(rows))
         arrivals = np.cumsum(gaps) - gaps[0]
-        rows = [(int(round(a * NS)), p, o, h) for a, (_, p, o, h) in zip(arrivals, rows)]
+        rows = [(int(round(a * NS_PER_S)), p, o, h) for a, (_, p, o, h) in zip(arrivals, rows)]
     return rows
 
 
@@ -364,7 +365,7 @@ def make_scenario(name: str, *, duration_s: float = 3600.0, rate_per_s: float | 
     else:
         rows, notes = _scenario_drill(rng, duration_s, rate, max_prompt_tokens)
     rows.sort(key=lambda r: r[0])
-    requests = [Request(i, int(round(t * NS)), p, o, q, h) for i, (t, p, o, q, h) in enumerate(rows)]
+    requests = [Request(i, int(round(t * NS_PER_S)), p, o, q, h) for i, (t, p, o, q, h) in enumerate(rows)]
     notes.insert(0, f"scenario {name}: {rate} req/s base rate, seed {seed}")
     return Workload(name, requests, notes)
 
@@ -401,7 +402,7 @@ def load_workload(path_or_scenario: str | Path, *, rate_scale: float = 1.0, wind
 def _reshape(wl: Workload, rate_scale: float, window: float | None, max_prompt: int | None,
              max_output: int | None) -> Workload:
     out, capped = [], 0
-    limit_ns = None if window is None else int(window * NS)
+    limit_ns = None if window is None else int(window * NS_PER_S)
     for r in wl.requests:
         t = int(r.arrival_ns / rate_scale)
         if limit_ns is not None and t >= limit_ns:

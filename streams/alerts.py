@@ -15,30 +15,12 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvguard.streams.metrics import NS_PER_S, Tick
+from kvguard.contracts.tiers import TIER_NAMES, AlertThresholds
+from kvguard.contracts.units import NS_PER_S
+from kvguard.streams.metrics import Tick
 
 FIRING = "firing"
 RESOLVED = "resolved"
-TIER_NAMES = {1: "threshold", 2: "slope", 3: "lstm"}
-
-
-@dataclass(slots=True, frozen=True)
-class AlertThresholds:
-    """DESIGN §4 defaults; field names as in ``kvguard.wire.settings.StreamsSettings`` (``p_oom`` is
-    ``predictor.threshold``). ``streams.core.StreamConfig`` carries one of these."""
-
-    u_kv_warning: float = 0.88
-    u_kv_critical: float = 0.90
-    psi_critical: float = 0.95
-    threshold_for_s: float = 0.0
-    slope_per_min: float = 0.05
-    slope_for_s: float = 0.0
-    frag_u_kv: float = 0.88
-    frag_f_ext: float = 0.5
-    frag_for_s: float = 120.0
-    p_oom: float = 0.5
-    lstm_for_s: float = 0.0
-    resolve_for_s: float = 30.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -114,7 +96,7 @@ def fingerprint(node: str, rule: str) -> str:
 
 
 def default_rules(t: AlertThresholds = AlertThresholds(), *, with_predictor: bool = False) -> list[Rule]:
-    """Tier 1 and 2 of DESIGN §4, plus the tier-3 rule on ``p_oom`` when a predictor runs."""
+    """Tiers 1 and 2 (docs/ARCHITECTURE.md, "Alerts and prediction"), plus the tier-3 rule on ``p_oom`` when a predictor runs."""
     r = t.resolve_for_s
     rules = [
         Rule("KVCacheUsageCritical", 1, "critical", lambda k: k.u_kv > t.u_kv_critical, lambda k: k.u_kv,

@@ -4,7 +4,7 @@
 reads raw event-batch records, decodes them with ``kvguard.wire.schemas`` (undecodable ones go to
 ``kvguard.dlq`` with the reason; the worker lives on), runs the core, and publishes ticks to
 ``kvguard.metrics`` and alerts to ``kvguard.alerts`` keyed by node, with the same record bytes as the
-embedded runner (``streams.embedded.encode_tick``/``encode_alert``).
+embedded runner (``kvguard.streams.outputs``).
 
 State and recovery. A node's full ``NodeState`` is ~10-40 KB, too much to write per batch, so the
 table ``<app_id>-state`` holds one key per node, ``C|<node>``: the events offset of the node's last
@@ -29,7 +29,7 @@ Ordering: outputs are sent as they are made; before a checkpoint is written ever
 far is awaited (a checkpoint never gets ahead of the ticks its batches produced), and Faust flushes
 the producer before it commits offsets. Records are handled in chunks of up to ``max_records``.
 
-Latency (DESIGN §7: event → command executed, p99 ≤ 500 ms). A tick leaves as soon as the chunk
+Latency (docs/ARCHITECTURE.md, "Targets": event → command executed, p99 ≤ 500 ms). A tick leaves as soon as the chunk
 holding its batch is handled: the ticks are sent before any checkpoint wait, which only delays the
 next chunk. What bounds the hop is how long a record waits to be fetched and chunked: Faust's
 consumer fetch wait (Faust hardcodes 1500 ms; Tansu 0.6 holds a fetch that long even when records
@@ -52,7 +52,7 @@ import tempfile
 from dataclasses import dataclass
 
 from kvguard.streams.core import NodeState, StreamConfig, StreamCore
-from kvguard.streams.embedded import encode_alert, encode_tick, output_headers
+from kvguard.streams.outputs import output_records
 from kvguard.streams.predictor import Predictor
 
 log = logging.getLogger(__name__)
@@ -206,14 +206,9 @@ class StreamsWorker:
     async def publish(self, ticks, alerts) -> None:
         """Send outputs; delivery is awaited before the next checkpoint (and Faust flushes the
         producer before it commits offsets), not per chunk."""
-        for tick in ticks:
-            self.in_flight.append(await self.metrics_topic.send(
-                key=tick.node.encode(), value=encode_tick(tick),
-                headers=output_headers("metrics", tick.node, tick.ts_ns)))
-        for alert in alerts:
-            self.in_flight.append(await self.alerts_topic.send(
-                key=alert.node.encode(), value=encode_alert(alert),
-                headers=output_headers("alerts", alert.node, alert.ts_ns, f"/{alert.rule}")))
+        topics = {"metrics": self.metrics_topic, "alerts": self.alerts_topic}
+        for r in output_records(ticks, alerts):
+            self.in_flight.append(await topics[r.kind].send(key=r.key.encode(), value=r.value, headers=r.headers))
         self.in_flight = [f for f in self.in_flight if not f.done()]
         self.counters.ticks += len(ticks)
         self.counters.alerts += len(alerts)
@@ -395,7 +390,7 @@ def _app_class(wait_ms: int):
 
     Faust 0.15's aiokafka driver builds its consumer with ``fetch_max_wait_ms=1500`` and no
     setting for it. On a broker that holds a fetch for the full wait before returning records
-    that arrived meanwhile (Tansu 0.6), that wait is added to the decision latency (DESIGN §7)."""
+    that arrived meanwhile (Tansu 0.6), that wait is added to the decision latency (docs/ARCHITECTURE.md, "Targets")."""
     import faust
     from faust.transport.drivers import aiokafka as driver
 

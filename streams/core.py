@@ -25,14 +25,16 @@ import json
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from kvguard.contracts import pressure
 from kvguard.contracts.events import EventBatch, EventKind, Geometry
+from kvguard.contracts.units import NS_PER_S
 from kvguard.streams.alerts import Alert, AlertEvaluator, AlertThresholds, default_rules
-from kvguard.streams.metrics import NS_PER_S, SINCE_OOM_CAP_S, Candidate, Tick, least_squares_slope, percentiles, tick_features
-from kvguard.streams.mirror import LIFE_WAITING, AllocatorMirror
+from kvguard.streams.metrics import SINCE_OOM_CAP_S, Candidate, Tick, least_squares_slope, percentiles, tick_features
+from kvguard.streams.mirror import AllocatorMirror
 from kvguard.streams.predictor import DEFAULT_WINDOW_TICKS, FeatureHistory, Predictor, check_predictor
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,28 @@ _SNAPSHOT = int(K.SNAPSHOT)
 _OOM = int(K.OOM)
 
 
+class Counts(NamedTuple):
+    """Cumulative event counts of one node's mirror; a tick reports the difference to the last tick's."""
+
+    arrivals: int
+    finished: int
+    alloc_failures: int
+    evicted_pages: int
+    preemptions: int
+    ooms: int
+    step_tokens: int
+    decode_tokens: int
+    evicted_tokens: int
+    evicted_requests: int
+
+    @classmethod
+    def zero(cls) -> "Counts":
+        return cls(*([0] * len(cls._fields)))
+
+    def since(self, mark: "Counts") -> "Counts":
+        return Counts(*(a - b for a, b in zip(self, mark)))
+
+
 class NodeState:
     """One GPU in the stream: its mirror, tick clock, interval counters, slope and feature history,
     and its alert rules' state."""
@@ -113,7 +137,7 @@ class NodeState:
         self.slope_points: deque[tuple[int, float]] = deque()
         self.features = FeatureHistory(config.window_ticks)
         self.alerts = AlertEvaluator(default_rules(config.thresholds, with_predictor=with_predictor))
-        self._mark = np.zeros(10, dtype=np.int64)  # cumulative counters at the last tick
+        self._mark = Counts.zero()  # cumulative counters at the last tick
         self.events_since_tick = 0
         self.duplicates = 0
         self.gaps = 0
@@ -177,7 +201,7 @@ class NodeState:
         if geometry is not None and (self.mirror is None or self.mirror.geometry != geometry):
             self.mirror = AllocatorMirror(geometry, reserved_frac=self.config.reserved_frac,
                                           alpha=self.config.alpha, beta=self.config.beta)
-            self._mark[:] = 0
+            self._mark = Counts.zero()
             if not (self.epoch is None and batch.seq == 0):
                 self._unsynced(f"node {self.node}: new geometry at epoch {batch.epoch} seq {batch.seq}")
         first = self.epoch is None
@@ -208,7 +232,7 @@ class NodeState:
         self.next_boundary_ns = self.max_ts_ns = None
         self.slope_points.clear()
         self.features = FeatureHistory(self.config.window_ticks)
-        self._mark = np.zeros_like(self._mark)
+        self._mark = Counts.zero()
         self.events_since_tick = 0
         self.last_oom_ns = None
         for rule_state in self.alerts.states.values():  # timers of the old clock; firing stays firing
@@ -245,12 +269,12 @@ class NodeState:
             self.next_boundary_ns += tick_ns
         return ticks
 
-    def _counters(self) -> np.ndarray:
+    def _counters(self) -> Counts:
         m = self.mirror
         kc = m.kind_counts
-        return np.array([kc[K.ARRIVE], kc[K.FINISH], kc[K.ALLOC_FAIL], kc[K.EVICT], kc[K.PREEMPT], kc[K.OOM],
-                         m.step_tokens_total, m.decode_tokens_total, m.evicted_tokens_total,
-                         m.evicted_requests_total], dtype=np.int64)
+        return Counts(int(kc[K.ARRIVE]), int(kc[K.FINISH]), int(kc[K.ALLOC_FAIL]), int(kc[K.EVICT]),
+                      int(kc[K.PREEMPT]), int(kc[K.OOM]), int(m.step_tokens_total), int(m.decode_tokens_total),
+                      int(m.evicted_tokens_total), int(m.evicted_requests_total))
 
     def _make_tick(self, ts_ns: int) -> Tick:
         cfg = self.config
@@ -258,8 +282,7 @@ class NodeState:
         g = m.geometry
         pm = m.metrics()
         now = self._counters()
-        (arrivals, finished, fails, evicted_pages, preemptions, ooms, step_tokens, decode_tokens,
-         evicted_tokens, evicted_requests) = (int(x) for x in now - self._mark)
+        d = now.since(self._mark)
         self._mark = now
         table = m.request_table()
         holding = table.pages > 0
@@ -275,9 +298,7 @@ class NodeState:
         events = self.events_since_tick
         self.events_since_tick = 0
         # waiting queue: requests whose last lifecycle event is ARRIVE/PREEMPT and that hold no page
-        # (the mirror's lifecycle array is row-aligned with the request table; it has no public getter)
-        life = m._life[:len(table.req)]
-        waiting = int(np.count_nonzero((life == LIFE_WAITING) & ~holding)) if life.size else 0
+        waiting = int(np.count_nonzero(table.waiting & ~holding))
         since_oom = SINCE_OOM_CAP_S if self.last_oom_ns is None else min(
             SINCE_OOM_CAP_S, max(0.0, (ts_ns - self.last_oom_ns) / NS_PER_S))
         tick = Tick(
@@ -296,10 +317,11 @@ class NodeState:
             util_reserved=m.reserved_frac * m.units * ub / total, reserved_frac=m.reserved_frac,
             pages_per_request_p50=p50, pages_per_request_p95=p95, pages_per_request_p99=p99,
             requests_running=int(table.running.sum()), requests_holding_pages=int(holding.sum()),
-            arrivals=arrivals, finished=finished, alloc_failures=fails, alloc_fail_per_s=fails / cfg.tick_s,
-            evicted_pages=evicted_pages, evicted_requests=evicted_requests, evicted_tokens=evicted_tokens,
-            preemptions=preemptions, ooms=ooms, tokens_per_s=step_tokens / cfg.tick_s,
-            decode_tokens_per_s=decode_tokens / cfg.tick_s, events=events,
+            arrivals=d.arrivals, finished=d.finished, alloc_failures=d.alloc_failures,
+            alloc_fail_per_s=d.alloc_failures / cfg.tick_s, evicted_pages=d.evicted_pages,
+            evicted_requests=d.evicted_requests, evicted_tokens=d.evicted_tokens, preemptions=d.preemptions,
+            ooms=d.ooms, tokens_per_s=d.step_tokens / cfg.tick_s, decode_tokens_per_s=d.decode_tokens / cfg.tick_s,
+            events=events,
             candidates=self._candidates(table, holding), requests_waiting=waiting, s_since_oom=since_oom,
         )
         self.features.push(tick_features(tick))
@@ -344,7 +366,7 @@ class NodeState:
             "node": self.node, "epoch": self.epoch, "seq": self.seq,
             "next_boundary_ns": self.next_boundary_ns, "max_ts_ns": self.max_ts_ns,
             "slope_points": list(self.slope_points), "features_count": self.features.count,
-            "alerts": self.alerts.state_list(), "mark": self._mark.tolist(),
+            "alerts": self.alerts.state_list(), "mark": list(self._mark),
             "events_since_tick": self.events_since_tick, "duplicates": self.duplicates,
             "gaps": self.gaps, "skipped_ticks": self.skipped_ticks,
             "dropped_without_geometry": self.dropped_without_geometry,
@@ -372,7 +394,7 @@ class NodeState:
             st.features.buffer[:] = arrays["features"]
             st.features.count = int(h["features_count"])
         st.alerts.load_state_list(h["alerts"])
-        st._mark = np.asarray(h["mark"], dtype=np.int64)
+        st._mark = Counts(*(int(x) for x in h["mark"]))
         st.events_since_tick = h["events_since_tick"]
         st.duplicates, st.gaps = h["duplicates"], h["gaps"]
         st.skipped_ticks, st.dropped_without_geometry = h["skipped_ticks"], h["dropped_without_geometry"]

@@ -8,8 +8,8 @@ Two shells, no logic of their own:
   ``kvguard.alerts`` keyed by node. It commits a poll's offsets only after every output of that poll
   is acknowledged (at-least-once; the core skips redelivered batches by ``seq``).
 
-``encode_tick``/``encode_alert`` are the record encoders the Faust app uses too, so both carry
-byte-identical records for the same ticks.
+Records are built by ``kvguard.streams.outputs`` for every publishing path (this service, the
+Faust app, the embedded demo loop), so all carry byte-identical records with the same ids.
 """
 
 from __future__ import annotations
@@ -19,41 +19,13 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvguard.streams.alerts import Alert, alert_record
+from kvguard.streams.alerts import Alert
 from kvguard.streams.core import StreamConfig, StreamCore
-from kvguard.streams.metrics import Tick, tick_record
+from kvguard.streams.metrics import Tick
+from kvguard.streams.outputs import output_records
 from kvguard.streams.predictor import Predictor
 
 log = logging.getLogger(__name__)
-
-
-def encode_tick(tick: Tick) -> bytes:
-    """A ``kvguard.metrics`` record: validated against ``schemas.MetricTick``, every Tick field kept."""
-    import orjson
-
-    from kvguard.wire.schemas import MetricTick
-
-    record = tick_record(tick)
-    MetricTick.model_validate(record)
-    return orjson.dumps(record)
-
-
-def encode_alert(alert: Alert) -> bytes:
-    """A ``kvguard.alerts`` record: validated against ``schemas.Alert``, every Alert field kept."""
-    import orjson
-
-    from kvguard.wire.schemas import Alert as AlertModel
-
-    record = alert_record(alert)
-    AlertModel.model_validate(record)
-    return orjson.dumps(record)
-
-
-def output_headers(kind: str, node: str, ts_ns: int, suffix: str = ""):
-    """CloudEvents headers with a deterministic id (node/ts[/rule]) so consumers can deduplicate."""
-    from kvguard.wire.schemas import make_headers
-
-    return make_headers(kind, "kvguard-streams", record_id=f"{node}/{ts_ns}{suffix}")
 
 
 def run_event_log(path, config: StreamConfig | None = None, predictor: Predictor | None = None, *,
@@ -137,13 +109,8 @@ class StreamsService:
         self.counters.batches += len(batches)
         self.counters.events += sum(len(b) for b in batches)
         ticks, alerts = self.core.process_many(batches)
-        futures = []
-        for tick in ticks:
-            futures.append(await self.bus.publish(self.topics["metrics"], tick.node, encode_tick(tick),
-                                                  output_headers("metrics", tick.node, tick.ts_ns)))
-        for alert in alerts:
-            futures.append(await self.bus.publish(self.topics["alerts"], alert.node, encode_alert(alert),
-                                                  output_headers("alerts", alert.node, alert.ts_ns, f"/{alert.rule}")))
+        futures = [await self.bus.publish(self.topics[r.kind], r.key, r.value, r.headers)
+                   for r in output_records(ticks, alerts)]
         if futures:
             await asyncio.gather(*futures)
         self.counters.ticks += len(ticks)

@@ -1,6 +1,6 @@
 """Tick metrics: the per-GPU record the stream emits every tick of event time, and its feature vector.
 
-Pure (numpy + stdlib). ``Tick`` carries every DESIGN §3 metric; ``tick_features`` turns a tick into
+Pure (numpy + stdlib). ``Tick`` carries every metric of docs/ARCHITECTURE.md "Metrics"; ``tick_features`` turns a tick into
 the fixed-length vector the tier-3 predictor reads (``FEATURE_NAMES`` names its columns; training
 data must be built with this same function).
 """
@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-NS_PER_S = 1_000_000_000
+from kvguard.contracts.units import NS_PER_S
+
 SINCE_OOM_CAP_S = 1800.0  # "time since the last OOM" saturates here (also: no OOM seen yet)
 
 

@@ -36,6 +36,7 @@ from kvguard.contracts.events import (
     RegionState,
     free_runs_checksum,
 )
+from kvguard.contracts.units import DEFAULT_PRIORITY
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +83,6 @@ _LIFE = _table({K.ARRIVE: LIFE_WAITING, K.ADMIT: LIFE_RUNNING, K.PREEMPT: LIFE_W
                 K.FINISH: LIFE_FINISHED}, default=-1)
 _BARRIERS = _table({K.RESET: 1, K.MIGRATE: 1, K.SNAPSHOT: 1}, dtype=bool)
 
-DEFAULT_PRIORITY = 5
-# Plain ints for the hot path (an IntEnum attribute lookup costs a Python call).
 _ARRIVE, _SHARE, _FREE, _EVICT, _STEP = int(K.ARRIVE), int(K.SHARE), int(K.FREE), int(K.EVICT), int(K.STEP)
 _MIGRATE, _RESET, _SNAPSHOT = int(K.MIGRATE), int(K.RESET), int(K.SNAPSHOT)
 _RETAIN = int(Handling.RETAIN)
@@ -114,7 +113,7 @@ class MirrorMetrics:
 @dataclass(slots=True)
 class RequestTable:
     """Requests known to the mirror, one row each (parallel arrays). ``running``: admitted and not
-    finished or preempted. ``shared_units``: units of its pages that other requests also reference
+    finished or preempted; ``waiting``: its last lifecycle event is an arrival or a preemption. ``shared_units``: units of its pages that other requests also reference
     (an eviction of the request would not free them)."""
 
     req: np.ndarray
@@ -126,6 +125,7 @@ class RequestTable:
     arrival_ns: np.ndarray
     last_ts_ns: np.ndarray
     running: np.ndarray
+    waiting: np.ndarray
 
 
 class AllocatorMirror:
@@ -484,7 +484,7 @@ class AllocatorMirror:
             req=self._req[:n].copy(), pages=pages, units=units, shared_units=shared.astype(np.int64),
             priority=self._priority[:n].copy(), prompt_tokens=self._prompt[:n].copy(),
             arrival_ns=self._arrival[:n].copy(), last_ts_ns=self._last_ts[:n].copy(),
-            running=self._life[:n] == LIFE_RUNNING,
+            running=self._life[:n] == LIFE_RUNNING, waiting=self._life[:n] == LIFE_WAITING,
         )
 
     def request_pages(self, req: int) -> int:

@@ -13,8 +13,14 @@ from kvguard.cli.app import app
 
 def progress_bar(console):
     """A rich progress bar on stderr (machines read stdout)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
@@ -35,7 +41,7 @@ def build_with_progress(specs, console, tick_s: float = 10.0):
 
 
 def resolve_specs(preset: str | None, spec_file: Path | None):
-    from kvguard.ml.dataset import PRESETS, RunSpec, DatasetError
+    from kvguard.ml.dataset import PRESETS, DatasetError, RunSpec
 
     if spec_file is not None:
         try:

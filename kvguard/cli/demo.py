@@ -1,12 +1,9 @@
 """`kvguard demo`: the same workload twice on N simulated GPUs — the baseline engine, then
 kvguard's closed loop — with a live view, a comparison table and a report on disk.
 
-Embedded (the default) is one process and deterministic: per tick of simulated time the fleet
-advances, its event batches go through the stream core (ticks, alerts, P(OOM)), each tick
-through the policy (commands), each command through its node's actuator (verify, apply once,
-execute, ack), and only then the next tick. The in-process bus carries ticks, alerts, commands
-and acks with Kafka's topic/key/partition semantics. With ``--bus kafka://…`` the same parts run
-as concurrent services over the broker (on run-private topics ``kvguard-demo-<run>.*``, deleted
+Embedded (the default) is one process and deterministic (``kvguard.runtime.embedded``). With
+``--bus kafka://…`` the same parts run as concurrent services over the broker
+(``kvguard.runtime.overbus``) (on run-private topics ``kvguard-demo-<run>.*``, deleted
 at the end unless ``--keep-topics``); the baseline (the bare engine, which needs no bus) still
 runs embedded.
 
@@ -29,7 +26,7 @@ onto the others, which can crash in turn (a cascade). kvguard holds admission he
 nodes, sized to the larger of the policy's U_kv target and the largest prompt the fleet has
 sent lately (so whatever is admitted fits whole), compacts when the largest free run falls
 under a safety multiple of one step's need, and evicts when the trigger and the forecast agree;
-see ``policy.engine``.
+see ``kvguard.policy.engine``.
 """
 
 from __future__ import annotations
@@ -38,8 +35,6 @@ import asyncio
 import json
 import sys
 import time
-from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,18 +53,6 @@ DEMO_RATE_SCALE = 2.0
 DEMO_DURATION_S = 1800.0
 QUICK_RATE_SCALE = 2.25
 QUICK_DURATION_S = 900.0
-
-
-@dataclass(slots=True)
-class RunResult:
-    """One run's outcomes (the `kvguard simulate` summary fields) and its time series."""
-
-    label: str
-    summary: dict
-    series: dict[str, list[tuple]] = field(default_factory=dict)  # node -> (ts_s, u_kv, f_ext, psi, p_oom)
-    oom_times: dict[str, list[float]] = field(default_factory=dict)
-    actions: dict[str, Counter] = field(default_factory=dict)
-    wall_seconds: float = 0.0
 
 
 class LiveView:
@@ -127,143 +110,6 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def demo_workload(profile: Any, *, workload: str, rate_scale: float, duration_s: float, seed: int):
-    from kvguard.producers.workloads import load_workload
-
-    # as `kvguard simulate` does: prompts that could never fit one GPU are capped, and said so
-    max_prompt = min(profile.max_model_len - 1024, int(profile.capacity_tokens * 0.6))
-    return load_workload(workload, rate_scale=rate_scale, window=duration_s, seed=seed, max_prompt_tokens=max_prompt)
-
-
-async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: float, seed: int, guarded: bool,
-                       view: LiveView | None = None, progress: Any = None, host: str = "sim-0") -> RunResult:
-    """One deterministic run; ``guarded`` closes the loop (policy + actuators). Node ids are
-    ``<host>/gpu<i>``; the guarded run records in the graph's budget and SLO ledgers (in memory
-    when the graph has none)."""
-    from kvguard.runtime.bootstrap import make_ledger, make_slo_ledger
-    from kvguard.bus.inproc import InprocBus
-    from kvguard.wire.schemas import make_headers
-    from kvguard.producers.engine import NS
-    from kvguard.streams.embedded import encode_alert, encode_tick, output_headers
-
-    settings = graph.settings
-    topics = settings.topics
-    bus = InprocBus.from_settings(settings)
-    fleet = graph.fleet(n_gpus, seed=seed, host=host)
-    fleet.submit_workload(workload)
-    engines = {e.node: e for e in fleet.engines}
-    core = graph.stream_core()
-    ledger = graph.ledger if graph.ledger is not None else make_ledger(settings)
-    slo = None
-    if guarded:
-        slo = graph.slo_recorder(graph.slo_ledger if graph.slo_ledger is not None else make_slo_ledger(settings),
-                                 confirm_with_acks=True)
-    service = graph.policy_service(bus=bus, ledger=ledger, slo=slo) if guarded else None
-    actuators = graph.actuators(fleet.engines) if guarded else {}
-    commands_sub = bus.subscribe([topics.name("commands")], "kvguard-actuators")
-    result = RunResult("guarded" if guarded else "baseline", {})
-    alerts_firing: dict[str, set[str]] = defaultdict(set)
-    actions: dict[str, Counter] = {n: Counter() for n in engines}
-    tick_ns = int(settings.streams.tick_s * NS)
-    end_ns = int(duration_s * NS)
-    wall0 = time.perf_counter()
-    t = 0
-    while t < end_ns:
-        t = min(t + tick_ns, end_ns)
-        fleet.advance(t)
-        batches = fleet.take_batches(t)
-        if slo is not None:
-            slo.observe_batches(batches)
-        ticks, alerts = core.process_many(batches)
-        more_ticks, more_alerts = core.flush(t)
-        ticks += more_ticks
-        alerts += more_alerts
-        for alert in alerts:
-            bus.append(topics.name("alerts"), alert.node, encode_alert(alert),
-                       output_headers("alerts", alert.node, alert.ts_ns, f"/{alert.rule}/{alert.state}"))
-            (alerts_firing[alert.node].add if alert.state == "firing" else alerts_firing[alert.node].discard)(alert.rule)
-        for tick in ticks:
-            bus.append(topics.name("metrics"), tick.node, encode_tick(tick), output_headers("metrics", tick.node, tick.ts_ns))
-            result.series.setdefault(tick.node, []).append(
-                (tick.ts_ns / NS, tick.u_kv, tick.f_ext, tick.psi, tick.p_oom))
-            if tick.ooms:
-                result.oom_times.setdefault(tick.node, []).append(tick.ts_ns / NS)
-            if service is not None:
-                await service.publish(service.handle_tick(tick))
-        if actuators:
-            for record in await commands_sub.getmany(max_records=10_000, timeout_s=0):
-                node = record.key.decode()
-                ack = actuators[node].handle_record(record.value, engines[node].now_ns)
-                if ack is not None:
-                    if slo is not None:
-                        slo.observe_ack(ack)
-                    actions[node][f"{ack.action}:{ack.outcome.value}"] += 1
-                    bus.append(topics.name("acks"), node, ack.to_bytes(), make_headers("acks", node))
-                await record.commit()
-        if view is not None:
-            for tick in ticks:
-                e = engines[tick.node]
-                view.update(tick.node, tick.ts_ns / NS, u_kv=tick.u_kv, f_ext=tick.f_ext, psi=tick.psi,
-                            p_oom=tick.p_oom, alerts=len(alerts_firing[tick.node]),
-                            actions=sum(v for k, v in actions[tick.node].items() if k.endswith(":executed")),
-                            ooms=e.ooms, preemptions=e.preemptions)
-        if progress is not None:
-            progress(t / NS, end_ns / NS)
-    await commands_sub.close()
-    if slo is not None:
-        slo.observe_batches(fleet.take_batches(end_ns))
-        slo.finish(end_ns)
-    result.wall_seconds = round(time.perf_counter() - wall0, 3)
-    result.actions = actions
-    result.summary = run_summary(fleet, result, service, actuators, graph)
-    if slo is not None:
-        result.summary["kvguard"]["slo"] = slo.counters.as_dict()
-    return result
-
-
-def run_summary(fleet: Any, result: RunResult, service: Any, actuators: dict, graph: Any) -> dict:
-    out = fleet.summary().to_dict()
-    out["gpus"] = len(fleet.engines)
-    out["wall_seconds"] = result.wall_seconds
-    out["priority_defaulted"] = sum(e.priority_defaulted for e in fleet.engines)
-    total = Counter()
-    for c in result.actions.values():
-        total.update(c)
-    out["kvguard"] = None
-    if service is not None:
-        counters = {name: 0 for name in ("received", "executed", "noop", "failed", "duplicate",
-                                         "rejected_signature", "rejected_expired", "rejected_node",
-                                         "malformed", "units_freed", "units_moved")}
-        for a in actuators.values():
-            for k, v in a.counters.as_dict().items():
-                counters[k] += v
-        out["kvguard"] = {
-            "policy": service.engine.counters.as_dict(),
-            "budget_unavailable_ticks": service.budget_errors,
-            "actuators": counters,
-            "acks": dict(sorted(total.items())),
-            "mode_changes": [c.to_dict() for c in service.mode_changes],
-            "predictor": graph.predictor_note,
-        }
-    return out
-
-
-def compare(baseline: dict, guarded: dict) -> dict:
-    """The headline ratios of the closed loop against the baseline on the same workload."""
-
-    def reduction(key: str) -> float | None:
-        b, g = baseline.get(key) or 0, guarded.get(key) or 0
-        return None if b == 0 else round(1.0 - g / b, 4)
-
-    def ratio(key: str) -> float | None:
-        b, g = baseline.get(key), guarded.get(key)
-        return None if not b or g is None else round(g / b, 4)
-
-    return {"baseline": baseline, "guarded": guarded, "oom_reduction": reduction("ooms"),
-            "preemption_reduction": reduction("preemptions"), "goodput_ratio": ratio("goodput_tokens_per_s"),
-            "ttft_p99_ratio": ratio("ttft_p99_s")}
-
-
 def _print_comparison(result: dict, console) -> None:
     from rich.table import Table
 
@@ -319,8 +165,11 @@ def demo(
 
     from rich.console import Console
 
-    from kvguard.runtime.bootstrap import bootstrap, make_ledger, make_slo_ledger
+    # the runtime loads the whole system: imported when the command runs, so `kvguard --help` stays fast
     from kvguard.cli.simulate import parse_duration
+    from kvguard.runtime.bootstrap import bootstrap, make_ledger, make_slo_ledger
+    from kvguard.runtime.embedded import compare, demo_workload, ledger_summary
+    from kvguard.runtime.overbus import run_over_bus
     from kvguard.wire.settings import ConfigError, Settings
 
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -398,135 +247,10 @@ def demo(
 LOUD_LOGGERS = ("kvguard.budget", "policy.delivery", "policy.ledger", "kvguard.actuators.actuator")
 
 
-def ledger_summary(ledger: Any, slo_ledger: Any, redis: str | None) -> tuple[dict, str | None]:
-    """Both ledgers' stats after a last flush and a read (is Redis reachable now?); the second
-    value says what could not be stored (None: everything was)."""
-    out: dict[str, Any] = {"backend": "redis" if redis else "memory"}
-    problems, lost = [], []
-    for name, led in (("budget", ledger), ("slo", slo_ledger)):
-        flushed = led.flush() if hasattr(led, "flush") else True
-        reachable_error = None
-        if redis:
-            try:
-                led.weeks()
-            except Exception as err:  # noqa: BLE001 - LedgerUnavailable names the (masked) URL
-                reachable_error = str(err)
-        stats = led.stats().to_dict() if hasattr(led, "stats") else {}
-        out[name] = stats
-        if stats.get("outages"):
-            problems.append(f"{name} ledger: {stats['outages']} Redis outage(s) during the run")
-        if not flushed or stats.get("buffered") or stats.get("dropped") or reachable_error:
-            lost.append(f"{reachable_error or name + ' ledger: Redis unreachable at the end of the run'} "
-                        f"({stats.get('buffered', 0)} write(s) still buffered, {stats.get('dropped', 0)} dropped)")
-    out["problems"] = problems + lost  # outages the run recovered from are listed, not fatal
-    return out, ("; ".join(lost) or None)
-
-
-async def run_over_bus(graph: Any, workload: Any, *, bus: str, n_gpus: int, duration_s: float, seed: int,
-                       speed: float, run_id: str | None = None, keep_topics: bool = False) -> RunResult:
-    """The closed loop as concurrent services over a real bus: the node (engine, producer,
-    actuators), the stream service and the policy service, each with its own consumer group.
-    The budget and SLO ledgers are the graph's (the caller opens and closes them).
-
-    The run gets its own topics (prefix ``kvguard-demo-<run>.``, created first: Tansu does not
-    auto-create) so that records of an earlier run are never read as this one's; they are
-    deleted at the end unless ``keep_topics``. Node ids are ``demo-<run>/gpu<i>``.
-    """
-    import secrets
-
-    from kvguard.runtime.bootstrap import make_bus
-    from kvguard.cli.node import run_node
-    from kvguard.streams.embedded import StreamsService
-
-    run_id = run_id or secrets.token_hex(4)
-    settings = graph.settings.model_copy(update={
-        "topics": graph.settings.topics.model_copy(update={"prefix": f"kvguard-demo-{run_id}."})})
-    graph.settings = settings
-    carrier = make_bus(settings, bus)
-    kafka = getattr(carrier, "kafka", None)
-    if kafka is not None:
-        from kvguard.bus.kafka import create_topics
-
-        await create_topics(kafka, settings.topics.all())
-    try:
-        await carrier.start()
-        result = RunResult("guarded", {})
-        streams = StreamsService(carrier, settings, graph.predictor, group=f"kvguard-demo-{run_id}-streams")
-        slo = graph.slo_recorder(confirm_with_acks=True)
-        service = graph.policy_service(bus=carrier, slo=slo)
-        handle = service.handle_tick
-        last_ts = {"ns": 0}
-
-        def observe(tick: dict):
-            result.series.setdefault(tick["node"], []).append(
-                (tick["ts_ns"] / 1e9, tick["u_kv"], tick["f_ext"], tick["psi"], tick.get("p_oom")))
-            if tick.get("ooms"):
-                result.oom_times.setdefault(tick["node"], []).append(tick["ts_ns"] / 1e9)
-            last_ts["ns"] = max(last_ts["ns"], int(tick["ts_ns"]))
-            return handle(tick)
-
-        service.handle_tick = observe
-        stop = asyncio.Event()
-        acks: list = []
-        tasks = [asyncio.create_task(streams.run()),
-                 asyncio.create_task(service.run(group=f"kvguard-demo-{run_id}-policy", stop=stop, poll_s=0.02))]
-        wall0 = time.perf_counter()
-        try:
-            summary = await run_node(graph, carrier, workload, n_gpus=n_gpus, duration_s=duration_s, speed=speed,
-                                     seed=seed, host=f"demo-{run_id}", acks_out=acks,
-                                     on_ack=slo.observe_ack if slo else None,
-                                     on_batches=slo.observe_batches if slo else None)
-        finally:
-            stop.set()
-            streams.stop()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await carrier.stop()
-        if slo is not None:
-            slo.finish(last_ts["ns"])
-    finally:
-        if kafka is not None and not keep_topics:
-            await delete_run_topics(kafka, list(settings.topics.all()))
-    result.wall_seconds = round(time.perf_counter() - wall0, 3)
-    for ack in acks:
-        result.actions.setdefault(ack.node, Counter())[f"{ack.action}:{ack.outcome.value}"] += 1
-    total = Counter()
-    for c in result.actions.values():
-        total.update(c)
-    summary["kvguard"] = {"policy": service.engine.counters.as_dict(), "actuators": summary.pop("actuators", {}),
-                          "budget_unavailable_ticks": service.budget_errors,
-                          "acks": dict(sorted(total.items())),
-                          "mode_changes": [c.to_dict() for c in service.mode_changes],
-                          "predictor": graph.predictor_note, "bus": bus, "topic_prefix": settings.topics.prefix,
-                          "topics_deleted": kafka is not None and not keep_topics,
-                          "slo": slo.counters.as_dict() if slo else None}
-    result.summary = summary
-    return result
-
-
-async def delete_run_topics(kafka: Any, names: list[str]) -> bool:
-    """Delete the run's topics; a failure is logged (with the names to delete by hand), not raised."""
-    import logging
-
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    from kvguard.bus.kafka import client_kwargs
-
-    admin = AIOKafkaAdminClient(**client_kwargs(kafka))
-    try:
-        await admin.start()
-        await admin.delete_topics(names)
-        return True
-    except Exception as err:  # noqa: BLE001 - cleanup must not hide the run's result
-        logging.getLogger("policy.delivery").warning(
-            "demo: could not delete the run's topics %s (%s: %s); delete them by hand", ", ".join(names),
-            type(err).__name__, err)
-        return False
-    finally:
-        await admin.close()
-
-
-def _run(graph, wl, gpus, duration_s, seed, guarded, live, console, host="sim-0") -> RunResult:
+def _run(graph, wl, gpus, duration_s, seed, guarded, live, console, host="sim-0"):
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvguard.runtime.embedded import run_embedded  # see demo(): loaded on use
 
     label = "kvguard closed loop" if guarded else "baseline engine"
     nodes = [f"{host}/gpu{i}" for i in range(gpus)]

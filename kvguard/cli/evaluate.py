@@ -43,10 +43,10 @@ def eval_command(
     from rich.console import Console
 
     from kvguard.cli.dataset import progress_bar
+    from kvguard.cli.simulate import parse_duration
     from kvguard.ml.dataset import DatasetError, RunSpec, simulate_run
     from kvguard.ml.evaluation import NodeTrace, evaluate_traces, plot_lead_times, plot_roc
     from kvguard.streams.lstm import ModelError, load_model
-    from kvguard.cli.simulate import parse_duration
     from kvguard.streams.metrics import FEATURE_NAMES
 
     console = Console(stderr=True)

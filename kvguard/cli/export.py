@@ -41,10 +41,9 @@ def export(
     import logging
 
     from kvguard.cli._service import stop_event
-
-    from kvguard.runtime.bootstrap import BootstrapError, make_bus
     from kvguard.ops.export_service import EXPORT_KINDS, ExportService
     from kvguard.ops.exporter import ExportError
+    from kvguard.runtime.bootstrap import BootstrapError, make_bus
     from kvguard.wire.settings import ConfigError, Settings
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")

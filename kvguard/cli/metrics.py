@@ -21,15 +21,15 @@ def metrics(
     model: Path = typer.Option(None, "--model", help="LSTM model for tier 3 (`kvguard train`); off by default"),
     config: Path = typer.Option(None, "--config", help="TOML/JSON settings file (thresholds, alpha, beta, …)"),
 ) -> None:
-    """Per tick and node: U_kv, F_ext, F_int, Ψ, slope and the rest of DESIGN §3; with --alerts the
+    """Per tick and node: U_kv, F_ext, F_int, Ψ, slope and the rest of docs/ARCHITECTURE.md "Metrics"; with --alerts the
     tier 1–2 (and, with --model, tier 3) alerts. Deterministic: the same log gives the same lines."""
     from kvguard.cli.simulate import parse_duration
-    from kvguard.wire.eventlog import EventLogError
-    from kvguard.wire.settings import ConfigError, Settings
     from kvguard.streams.alerts import alert_record
     from kvguard.streams.core import StreamConfig, StreamConfigError
     from kvguard.streams.embedded import run_event_log
     from kvguard.streams.metrics import tick_record
+    from kvguard.wire.eventlog import EventLogError
+    from kvguard.wire.settings import ConfigError, Settings
 
     if not events.exists():
         typer.echo(f"--events {events}: no such file", err=True)

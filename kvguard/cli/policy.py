@@ -32,7 +32,6 @@ def policy(
     import logging
 
     from kvguard.cli._service import stop_event
-
     from kvguard.runtime.bootstrap import BootstrapError, bootstrap, make_bus, make_ledger, make_slo_ledger
     from kvguard.wire.settings import ConfigError, Settings
 

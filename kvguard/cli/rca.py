@@ -25,9 +25,9 @@ def rca_command(
     times, fragmentation or capacity, and the requests admitted in the minute before."""
     from rich.console import Console
 
+    from kvguard.cli.simulate import parse_duration
     from kvguard.ops import rca
     from kvguard.runtime.bootstrap import bootstrap
-    from kvguard.cli.simulate import parse_duration
     from kvguard.wire.eventlog import EventLogError, read_event_log
     from kvguard.wire.settings import Settings
 
@@ -88,7 +88,7 @@ def _print(out: dict, reports) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kvguard.ops.rca import NS_PER_S
+    from kvguard.contracts.units import NS_PER_S
 
     console = Console()
     if not console.is_terminal:

@@ -40,7 +40,7 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
                    profile_name: str | None = None, seed: int = 0, events_out: Path | None = None,
                    drain: bool = True, flush_s: float = 10.0, progress=None) -> dict:
     """The command's core, callable from Python: returns the JSON summary as a dict."""
-    from kvguard.producers.engine import NS
+    from kvguard.contracts.units import NS_PER_S
     from kvguard.producers.fleet import Fleet
     from kvguard.producers.profiles import load_profile
     from kvguard.producers.workloads import load_workload
@@ -52,9 +52,9 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
     fleet = Fleet(gpus, profile, seed=seed)
     fleet.submit_workload(wl)
     last_arrival_ns = wl.requests[-1].arrival_ns if wl.requests else 0
-    end_ns = int(duration_s * NS) if duration_s is not None else last_arrival_ns + int(flush_s * NS)
-    drain_cap_ns = end_ns + 1800 * NS  # at most 30 simulated minutes to finish what is in flight
-    step_ns = int(flush_s * NS)
+    end_ns = int(duration_s * NS_PER_S) if duration_s is not None else last_arrival_ns + int(flush_s * NS_PER_S)
+    drain_cap_ns = end_ns + 1800 * NS_PER_S  # at most 30 simulated minutes to finish what is in flight
+    step_ns = int(flush_s * NS_PER_S)
     meta = {"workload": workload, "profile": profile.name, "gpus": gpus, "rate_scale": rate_scale, "seed": seed,
             "duration_s": duration_s, "nodes": fleet.nodes, "workload_notes": wl.notes}
     writer = None
@@ -73,7 +73,7 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
                 for b in batches:
                     writer.write(b)
             if progress is not None:
-                progress(min(t, end_ns) / NS, end_ns / NS)
+                progress(min(t, end_ns) / NS_PER_S, end_ns / NS_PER_S)
             if t >= end_ns:
                 idle = fleet.pending == 0 and all(not (e._running or e._waiting or e._swapped) for e in fleet.engines)
                 if not drain or idle or t >= drain_cap_ns:

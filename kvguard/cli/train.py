@@ -34,8 +34,8 @@ def train_command(
 
     from kvguard.cli.dataset import build_with_progress, progress_bar, resolve_specs
     from kvguard.ml.dataset import DatasetError, TickDataset
-    from kvguard.streams.lstm import count_parameters, describe, save_model
     from kvguard.ml.training import TrainConfig, train
+    from kvguard.streams.lstm import count_parameters, describe, save_model
 
     console = Console(stderr=True)
     try:

@@ -1,4 +1,4 @@
-"""Commands from the policy engine to a node's actuator, and the actuator's acks (DESIGN §5).
+"""Commands from the policy engine to a node's actuator, and the actuator's acks (docs/ARCHITECTURE.md, "Policy").
 
 A command is signed with HMAC-SHA256 over a canonical encoding (JSON, sorted keys, no spaces,
 every field except ``signature``) with a secret shared by the policy and the actuators, so an
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Mapping
 
-from policy.strategy import Granularity, HandlingChoice
+from kvguard.contracts.dimensions import Granularity, HandlingChoice
 
 COMMAND_SCHEMA = "1.0"
 

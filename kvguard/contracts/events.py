@@ -50,7 +50,7 @@ units from the start of the dynamic region D. ``ts_ns`` is event time, passed in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum, IntFlag
+from enum import IntEnum
 
 import numpy as np
 

@@ -1,4 +1,4 @@
-"""The pressure formulas of DESIGN §3, in one place: the pool, the mirror and the policy all call these.
+"""The pressure formulas (docs/ARCHITECTURE.md, "Metrics"), in one place: the pool, the mirror and the policy all call these.
 
 Pure: numpy only. Inputs are in allocator units; D is the dynamic region.
 """

@@ -4,7 +4,7 @@ One *sequence* is one node's ticks in one run, in order; one *run* is a shadow-e
 workload at one rate scale, profile and seed (or one event log). Splits are made per run and
 whole workloads are held out, so no run's ticks are ever split between train and test.
 
-Labels follow DESIGN §4: tick t is positive iff an ``oom`` event happens in (t, t + 300 s]. The
+Labels follow docs/ARCHITECTURE.md "Alerts and prediction": tick t is positive iff an ``oom`` event happens in (t, t + 300 s]. The
 dataset also keeps each sequence's OOM times and the threshold/slope tiers' firing per tick, as
 the stream core computed them, so evaluation needs no second simulation.
 
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvguard.ml.evaluation import DEFAULT_HORIZON_S, NS_PER_S, labels_for_ticks
+from kvguard.contracts.units import NS_PER_S
+from kvguard.ml.evaluation import DEFAULT_HORIZON_S, labels_for_ticks
 
 DATASET_FORMAT = "kvguard-tick-dataset/1"
 TIERS_STORED = ("threshold", "slope")
@@ -165,7 +166,7 @@ class TickDataset:
 
 def assemble(feature_names: list[str], runs: list[tuple[dict, list[Sequence]]], *,
              horizon_s: float = DEFAULT_HORIZON_S, tick_s: float = 10.0, inputs: dict | None = None) -> TickDataset:
-    """Concatenate runs of sequences into one dataset, labelling every tick (DESIGN §4)."""
+    """Concatenate runs of sequences into one dataset, labelling every tick (docs/ARCHITECTURE.md, "Alerts and prediction")."""
     feats, labels, ts, ooms, seq_run, seq_node = [], [], [], [], [], []
     firing: dict[str, list[np.ndarray]] = {t: [] for t in TIERS_STORED}
     seq_lengths, oom_counts, run_rows = [], [], []

@@ -1,5 +1,5 @@
 """How well OOMs are predicted: ROC/AUC, recall at a false-positive budget, lead time per tier
-(DESIGN §4), false alarms per hour, and the two report plots.
+(docs/ARCHITECTURE.md, "Alerts and prediction"), false alarms per hour, and the two report plots.
 
 Pure numpy (matplotlib only inside the plotting functions, with the Agg backend). Time is in ns,
 as everywhere in kvguard; results are reported in seconds.
@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-NS_PER_S = 1_000_000_000
+from kvguard.contracts.units import NS_PER_S
+
 DEFAULT_HORIZON_S = 300.0
 DEFAULT_ISOLATION_S = 600.0
 MIN_CLASS_TICKS = 30  # fewer positive or negative ticks than this: AUC/recall are withheld (noise)
@@ -115,7 +116,7 @@ def threshold_for_fpr(labels: np.ndarray, scores: np.ndarray, max_fpr: float = 0
 
 
 def lead_times_s(ts_ns: np.ndarray, firing: np.ndarray, oom_ts_ns: np.ndarray) -> np.ndarray:
-    """Lead time in seconds of one tier for each OOM of one node (DESIGN §4); 0 = a miss.
+    """Lead time in seconds of one tier for each OOM of one node (docs/ARCHITECTURE.md, "Alerts and prediction"); 0 = a miss.
 
     ``ts_ns`` are the node's tick times (ascending), ``firing`` whether the tier's alert was firing
     at each tick, ``oom_ts_ns`` the node's OOM times.

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvguard.contracts.units import NS_PER_S
 from kvguard.ml.dataset import TickDataset
-from kvguard.ml.evaluation import NS_PER_S, NodeTrace, evaluate_traces, isolated_ooms, threshold_for_fpr
+from kvguard.ml.evaluation import NodeTrace, evaluate_traces, isolated_ooms, threshold_for_fpr
 from kvguard.streams.lstm import ModelMetadata, Normalisation, OOMNet
 
 

@@ -27,8 +27,16 @@ import aiohttp
 from aiohttp import web
 
 from kvguard.bus.base import BusError
-from kvguard.ops.exporter import (CONTENT_TYPE, BoundedKeys, ExportError, ExportState, alert_dedupe_key,
-                              alert_fingerprint, alertmanager_alert, webhook_payload)
+from kvguard.ops.exporter import (
+    CONTENT_TYPE,
+    BoundedKeys,
+    ExportError,
+    ExportState,
+    alert_dedupe_key,
+    alert_fingerprint,
+    alertmanager_alert,
+    webhook_payload,
+)
 from kvguard.wire.schemas import Ack, Alert, DecodeError, DlqRecord, MetricTick, decode
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-NS_PER_S = 1_000_000_000
+from kvguard.contracts.units import NS_PER_S
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # gauge name -> (tick attribute, help); the names deploy/prometheus/kvguard-rules.yaml expects first

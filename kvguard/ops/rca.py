@@ -20,13 +20,14 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from kvguard.contracts.events import EventBatch, EventKind
-from kvguard.streams.alerts import FIRING, TIER_NAMES
+from kvguard.contracts.tiers import ALERT_TIERS, TIER_NAMES
+from kvguard.contracts.units import NS_PER_S
 from kvguard.ml.dataset import firing_by_tier
 from kvguard.ml.evaluation import lead_times_s
+from kvguard.streams.alerts import FIRING
 from kvguard.streams.mirror import AllocatorMirror
 
-NS_PER_S = 1_000_000_000
-TIERS = ("threshold", "slope", "lstm")
+TIERS = ALERT_TIERS
 ADMITTED_LOOKBACK_S = 60.0
 
 

@@ -248,7 +248,7 @@ class Candidate(BaseModel):
 
 
 class MetricTick(WireModel):
-    """One tick of one node's pressure metrics on ``kvguard.metrics`` (DESIGN §3)."""
+    """One tick of one node's pressure metrics on ``kvguard.metrics`` (docs/ARCHITECTURE.md, "Metrics")."""
 
     node: str = Field(min_length=1)
     ts_ns: int

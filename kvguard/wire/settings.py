@@ -71,7 +71,7 @@ class KafkaSettings(_Section):
     session_timeout_ms: int = Field(10_000, gt=0)
     # longest a consumer's fetch waits at the broker for data. Tansu 0.6 holds a fetch for the full
     # wait even when records arrive meanwhile, so this bounds each consumer hop of the decision
-    # latency (DESIGN §7). Read by the Faust worker (Faust alone would use 1500 ms);
+    # latency (docs/ARCHITECTURE.md, "Targets"). Read by the Faust worker (Faust alone would use 1500 ms);
     # consumer_options["fetch_max_wait_ms"], when given, wins
     fetch_max_wait_ms: int = Field(50, gt=0)
     heartbeat_interval_ms: int = Field(3_000, gt=0)
@@ -148,7 +148,7 @@ class StreamsSettings(_Section):
     beta: float = Field(1.0, ge=0)
     reserved_frac: float = Field(0.05, ge=0, lt=1)
     slope_window_s: float = Field(300.0, gt=0)
-    # DESIGN §4 tier 1: threshold
+    # tier 1 (docs/ARCHITECTURE.md, "Alerts and prediction"): threshold
     u_kv_warning: float = Field(0.88, ge=0, le=1)
     u_kv_critical: float = Field(0.90, ge=0, le=1)
     psi_critical: float = Field(0.95, ge=0)
@@ -162,7 +162,7 @@ class StreamsSettings(_Section):
     # tier 3: LSTM
     lstm_for_s: float = Field(0.0, ge=0)
     resolve_for_s: float = Field(30.0, ge=0)
-    # Faust worker (streams/app.py), decision latency (DESIGN §7): the agent handles records in
+    # Faust worker (streams/app.py), decision latency (docs/ARCHITECTURE.md, "Targets"): the agent handles records in
     # chunks of up to chunk_max_records, waiting at most chunk_max_wait_s to fill one
     chunk_max_records: int = Field(1000, gt=0)
     chunk_max_wait_s: float = Field(0.01, gt=0)

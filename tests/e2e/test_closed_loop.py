@@ -57,7 +57,7 @@ def wait_for(log: Path, text: str, timeout_s: float) -> None:
 def baseline_summary() -> dict:
     """The bare engine on the Kafka test's workload (deterministic, in process)."""
     from kvguard.runtime.bootstrap import bootstrap
-    from kvguard.cli.demo import demo_workload, run_embedded
+    from kvguard.runtime.embedded import demo_workload, run_embedded
 
     graph = bootstrap(predictor=None)
     name, rate, duration_s = KAFKA_WORKLOAD
@@ -123,7 +123,7 @@ def test_policy_over_kafka_executes_commands_and_prevents_ooms(kafka_settings, r
 
 def test_embedded_closed_loop_is_deterministic_and_prevents_ooms():
     from kvguard.runtime.bootstrap import bootstrap
-    from kvguard.cli.demo import compare, demo_workload, run_embedded
+    from kvguard.runtime.embedded import compare, demo_workload, run_embedded
 
     graph = bootstrap(predictor=None)
     name, rate, duration_s = WORKLOAD

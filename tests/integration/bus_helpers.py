@@ -6,8 +6,7 @@ import asyncio
 import time
 
 from kvguard.contracts.events import EventBatch
-
-NS = 1_000_000_000
+from kvguard.contracts.units import NS_PER_S
 
 
 def fleet_event_log(n_gpus: int = 3, seconds: int = 60, step_s: int = 5, seed: int = 3) -> list[EventBatch]:
@@ -20,8 +19,8 @@ def fleet_event_log(n_gpus: int = 3, seconds: int = 60, step_s: int = 5, seed: i
     fleet.submit_workload(load_workload("mixed", window=seconds, seed=seed))
     batches: list[EventBatch] = []
     for t in range(step_s, seconds + step_s, step_s):
-        fleet.advance(t * NS)
-        batches.extend(fleet.take_batches(t * NS))
+        fleet.advance(t * NS_PER_S)
+        batches.extend(fleet.take_batches(t * NS_PER_S))
     return [b for b in batches if len(b)]
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -12,8 +11,8 @@ import time
 from pathlib import Path
 
 from kvguard.contracts.events import EventBatch
+from kvguard.contracts.units import NS_PER_S
 
-NS = 1_000_000_000
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -28,15 +27,15 @@ def shadow_log(n_gpus: int = 3, seconds: int = 150, step_s: int = 2, seed: int =
     fleet.submit_workload(load_workload("mixed", rate_scale=rate_scale, window=seconds, seed=seed))
     batches: list[EventBatch] = []
     for t in range(step_s, seconds + step_s, step_s):
-        fleet.advance(t * NS)
-        batches.extend(fleet.take_batches(t * NS))
+        fleet.advance(t * NS_PER_S)
+        batches.extend(fleet.take_batches(t * NS_PER_S))
     return batches
 
 
 def expected_records(batches: list[EventBatch], config=None) -> tuple[dict, dict]:
     """What the embedded core makes of ``batches``: {(node, ts_ns): tick record}, {(node, ts, rule, state): alert}."""
     from kvguard.streams.core import StreamConfig, StreamCore
-    from kvguard.streams.embedded import encode_alert, encode_tick
+    from kvguard.streams.outputs import encode_alert, encode_tick
 
     core = StreamCore(config or StreamConfig())
     ticks, alerts = core.process_many(batches)

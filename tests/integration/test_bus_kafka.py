@@ -11,8 +11,8 @@ from kvguard.bus.base import partition_for_key, publish_and_wait
 from kvguard.bus.dlq import RecordDecoder
 from kvguard.bus.inproc import InprocBus
 from kvguard.bus.kafka import KafkaBus, create_topics
-from kvguard.wire.schemas import batch_headers, decode, decode_batch, encode_batch
 from kvguard.producers.publisher import NodePublisher
+from kvguard.wire.schemas import batch_headers, decode, decode_batch, encode_batch
 from tests.integration.bus_helpers import batch_source, consume, drain_quietly, fleet_event_log
 
 

@@ -10,12 +10,12 @@ import pytest
 from aiohttp import web
 
 from kvguard.bus.kafka import KafkaBus
+from kvguard.contracts.units import NS_PER_S
 from kvguard.ops.export_service import EXPORT_KINDS, ExportService
 from kvguard.ops.exporter import rfc3339
 from kvguard.wire.schemas import Ack, Alert, DlqRecord, MetricTick, make_headers
 from tests.unit.test_exporter import parse, value
 
-NS = 1_000_000_000
 NODES = ("sim-0/gpu0", "sim-0/gpu1")
 
 
@@ -87,7 +87,7 @@ async def wait_for(condition, what: str, limit_s: float = 30.0) -> None:
 
 
 def tick(node: str, ts_s: int, u_kv: float, ooms: int = 0, p_oom: float | None = None) -> MetricTick:
-    return MetricTick(node=node, ts_ns=ts_s * NS, u_kv=u_kv, f_ext=0.5, f_int=0.25, psi=u_kv + 0.05,
+    return MetricTick(node=node, ts_ns=ts_s * NS_PER_S, u_kv=u_kv, f_ext=0.5, f_int=0.25, psi=u_kv + 0.05,
                       slope_per_min=0.02, ooms=ooms, p_oom=p_oom)
 
 
@@ -105,7 +105,7 @@ async def test_scrape_shows_newest_ticks_and_counts_redeliveries_once(bus, kafka
     redelivered = [tick(NODES[0], 20, 0.7, ooms=1, p_oom=0.2), tick(NODES[0], 10, 0.01, ooms=1)]
     dead = DlqRecord.of(reason="malformed", detail="not JSON", topic="kvguard.events", partition=1, offset=4,
                         key=b"sim-0/gpu0", value=b"\x00", group="streams")
-    ack = Ack(command_id="c-1", node=NODES[1], outcome="done", executed_at_ns=21 * NS, action="evict",
+    ack = Ack(command_id="c-1", node=NODES[1], outcome="done", executed_at_ns=21 * NS_PER_S, action="evict",
               units_freed=12)
     async with service_for(bus, kafka_settings) as service:
         await publish(bus, kafka_settings, "metrics", ticks + redelivered)
@@ -132,9 +132,9 @@ async def test_scrape_shows_newest_ticks_and_counts_redeliveries_once(bus, kafka
 
 
 def stream_alert(status: str, ts_s: int, **kw) -> Alert:
-    return Alert(node=NODES[0], ts_ns=ts_s * NS, name="KVCacheOOMRisk", tier="slope", severity="critical",
-                 status=status, fingerprint="fp-oomrisk-gpu0", started_at_ns=1_800_000_000 * NS,
-                 ends_at_ns=ts_s * NS if status == "resolved" else None, value=0.6, threshold=0.5,
+    return Alert(node=NODES[0], ts_ns=ts_s * NS_PER_S, name="KVCacheOOMRisk", tier="slope", severity="critical",
+                 status=status, fingerprint="fp-oomrisk-gpu0", started_at_ns=1_800_000_000 * NS_PER_S,
+                 ends_at_ns=ts_s * NS_PER_S if status == "resolved" else None, value=0.6, threshold=0.5,
                  summary="nearly full and fragmented", **kw)
 
 
@@ -178,11 +178,11 @@ async def test_alert_arrives_exactly_once_after_the_receiver_recovers(bus, kafka
 
 async def test_firing_alerts_are_resent_with_a_future_end_until_resolved(bus, kafka_settings):
     now_ns = time.time_ns()
-    firing = stream_alert("firing", now_ns // NS)
-    resolved = stream_alert("resolved", now_ns // NS + 60)
+    firing = stream_alert("firing", now_ns // NS_PER_S)
+    resolved = stream_alert("resolved", now_ns // NS_PER_S + 60)
     async with FakeAlertmanager() as receiver, service_for(
             bus, kafka_settings, alertmanager_url=receiver.url, resend_s=0.2) as service:
-        await publish(bus, kafka_settings, "metrics", [tick(NODES[0], now_ns // NS, 0.95)])
+        await publish(bus, kafka_settings, "metrics", [tick(NODES[0], now_ns // NS_PER_S, 0.95)])
         await publish(bus, kafka_settings, "alerts", [firing])
         await wait_for(lambda: len(receiver.alerts) >= 3, "two resends of the firing alert")
         await publish(bus, kafka_settings, "alerts", [resolved])

@@ -8,10 +8,11 @@ import uuid
 
 import pytest
 
-from kvguard.policy.budget import NS_PER_S, week_start_ns
+from kvguard.contracts.units import NS_PER_S
+from kvguard.policy.budget import week_start_ns
 from kvguard.policy.slo import MemorySloLedger, SloConfig
-from tests.integration.test_budget_redis import PersistentRedis
 from kvguard.runtime.rigs.net import free_port
+from tests.integration.test_budget_redis import PersistentRedis
 
 W48 = week_start_ns("2026-W48")
 

@@ -43,7 +43,7 @@ def test_dataset_has_labelled_ticks_from_the_engine_and_held_out_workloads(datas
     assert summary["train"]["ooms"] > 0 and summary["test"]["ooms"] > 0
     assert set(summary["test"]["workloads"]).isdisjoint(summary["train"]["workloads"])
     assert ds.inputs and all(len(h) == 64 for h in ds.inputs.values())  # trace files are hashed
-    # every label agrees with the OOM events of its own sequence (DESIGN §4 definition)
+    # every label agrees with the OOM events of its own sequence (docs/ARCHITECTURE.md, "Alerts and prediction")
     for s in range(ds.n_sequences):
         seq = ds.sequence(s)
         lab = ds.labels[ds.seq_offsets[s]:ds.seq_offsets[s + 1]]
@@ -90,8 +90,8 @@ def test_eval_runs_engine_stream_and_all_three_tiers(model_dir, workdir):
 
 
 def test_offline_scores_equal_the_stream_core_scores(model_dir):
-    from kvguard.streams.lstm import load_model
     from kvguard.ml.training import score_sequence
+    from kvguard.streams.lstm import load_model
 
     predictor = load_model(model_dir, expected_features=list(FEATURE_NAMES))
     record = simulate_run(RunSpec("azure-code", 0.4, duration_s=600, split="test"), predictor=predictor)

@@ -16,13 +16,15 @@ from kvguard.contracts.events import (
     EVENT_DTYPE,
     F_TO_CACHE,
     EventBatch,
-    EventKind as K,
     Geometry,
     Handling,
     Outcome,
     PoolState,
     RegionState,
     free_runs_checksum,
+)
+from kvguard.contracts.events import (
+    EventKind as K,
 )
 
 

@@ -8,10 +8,10 @@ import pytest
 from kvguard.actuators.actuator import Actuator, AppliedJournal, run_actuators
 from kvguard.actuators.executor import Executor
 from kvguard.bus.inproc import InprocBus
-from kvguard.wire.settings import Settings
 from kvguard.contracts.commands import Ack, AckOutcome, Action, Command, Mode, Target, command_id, sign
+from kvguard.contracts.units import NS_PER_S
 from kvguard.policy.strategy import Granularity, HandlingChoice
-from kvguard.producers.engine import NS
+from kvguard.wire.settings import Settings
 from tests.unit.test_executor import running_engine
 
 SECRET = b"shared-secret"
@@ -19,10 +19,10 @@ NODE = "t/gpu0"
 
 
 def evict_command(req=1, *, issued_s=1.0, ttl_s=30.0, position=0) -> Command:
-    cmd = Command(id=command_id(NODE, int(issued_s * NS), Action.EVICT, position), node=NODE, action=Action.EVICT,
+    cmd = Command(id=command_id(NODE, int(issued_s * NS_PER_S), Action.EVICT, position), node=NODE, action=Action.EVICT,
                   targets=(Target(req),), granularity=Granularity.REQUEST, handling=HandlingChoice.RECOMPUTE,
                   reason="test", mode=Mode.DEFAULT, variant="request/lru/sync/recompute/hard",
-                  issued_at_ns=int(issued_s * NS), ttl_ns=int(ttl_s * NS))
+                  issued_at_ns=int(issued_s * NS_PER_S), ttl_ns=int(ttl_s * NS_PER_S))
     return sign(cmd, SECRET)
 
 
@@ -64,7 +64,7 @@ def test_duplicate_delivery_is_applied_once():
     actuator = make_actuator(e)
     cmd = evict_command()
     first = actuator.handle(cmd, e.now_ns)
-    e.advance(e.now_ns + 2 * NS)  # the evicted request is re-admitted meanwhile
+    e.advance(e.now_ns + 2 * NS_PER_S)  # the evicted request is re-admitted meanwhile
     assert 1 in {v.req for v in e.running_requests()}
     second = actuator.handle(cmd, e.now_ns)
     assert first.outcome is AckOutcome.EXECUTED
@@ -113,7 +113,7 @@ def test_restart_mid_command_does_not_apply_the_redelivered_command_twice(tmp_pa
     first = Actuator(NODE, CrashAfterEffect(e), SECRET, journal=AppliedJournal(journal_path))
     with pytest.raises(Crash):
         first.handle(cmd, e.now_ns)
-    e.advance(e.now_ns + 2 * NS)
+    e.advance(e.now_ns + 2 * NS_PER_S)
     assert 1 in {v.req for v in e.running_requests()}
     restarted = Actuator(NODE, Executor(e), SECRET, journal=AppliedJournal(journal_path))
     ack = restarted.handle(cmd, e.now_ns)

@@ -2,23 +2,22 @@
 
 from dataclasses import replace
 
+from kvguard.contracts.units import NS_PER_S
 from kvguard.streams.alerts import FIRING, RESOLVED, AlertEvaluator, AlertThresholds, default_rules, fingerprint
 from kvguard.streams.metrics import Tick
-
-NS = 1_000_000_000
 
 
 def tick(ts_s: float, u_kv=0.5, f_ext=0.1, psi=0.5, slope=0.0, p_oom=None, synced=True, node="n") -> Tick:
     zeros = {f: 0 for f in Tick.__dataclass_fields__ if f not in ("node", "ts_ns", "synced", "u_kv", "f_ext", "psi",
                                                                   "slope_per_min", "p_oom", "u_kv_forecast",
                                                                   "candidates")}
-    return Tick(node=node, ts_ns=int(ts_s * NS), synced=synced, u_kv=u_kv, f_ext=f_ext, psi=psi,
+    return Tick(node=node, ts_ns=int(ts_s * NS_PER_S), synced=synced, u_kv=u_kv, f_ext=f_ext, psi=psi,
                 slope_per_min=slope, p_oom=p_oom, **zeros)
 
 
 def run(ticks, **kw):
     ev = AlertEvaluator(default_rules(AlertThresholds(**kw.pop("thresholds", {})), **kw))
-    return [(a.ts_ns // NS, a.rule, a.state) for t in ticks for a in ev.evaluate(t)]
+    return [(a.ts_ns // NS_PER_S, a.rule, a.state) for t in ticks for a in ev.evaluate(t)]
 
 
 def test_threshold_tiers_fire_immediately_and_resolve_after_the_clear_period():

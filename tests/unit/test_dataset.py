@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
+from kvguard.contracts.units import NS_PER_S
 from kvguard.ml.dataset import DatasetError, Sequence, TickDataset, assemble, synthetic_sequences
-from kvguard.ml.evaluation import NS_PER_S
 
 NAMES = ["u_kv", "f_ext", "f_int"]
 

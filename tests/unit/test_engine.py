@@ -1,12 +1,13 @@
 import numpy as np
 import pytest
 
-from kvguard.wire.eventlog import write_event_log
-from kvguard.contracts.events import EventBatch, EventKind, F_PRIORITY_DEFAULTED, Handling, Outcome
-from kvguard.producers.engine import NS, Engine, EngineConfig, SeqState
+from kvguard.contracts.events import F_PRIORITY_DEFAULTED, EventBatch, EventKind, Handling, Outcome
+from kvguard.contracts.units import NS_PER_S
+from kvguard.producers.engine import Engine, EngineConfig, SeqState
 from kvguard.producers.pool import PagedPool
 from kvguard.producers.profiles import profile_from_dict
 from kvguard.producers.workloads import Request, load_workload
+from kvguard.wire.eventlog import write_event_log
 
 SUMMARY_FIELDS = ["requests", "completed", "failed", "rejected", "unfinished", "ooms", "preemptions", "ttft_p50_s", "ttft_p99_s",
                   "tpot_p50_s", "tpot_p99_s", "goodput_tokens_per_s", "downtime_s", "sim_seconds", "events"]
@@ -30,16 +31,16 @@ def tiny_profile(dynamic_units=2000, *, page_class_tokens=(4, 64), activation_by
 def make_engine(profile=None, config=None, **pool_kw):
     profile = profile or tiny_profile()
     pool = PagedPool(profile.geometry, node="t/gpu0", swap_capacity_units=profile.swap_capacity_units,
-                     retain_ttl_ns=pool_kw.pop("retain_ttl_ns", 600 * NS), **pool_kw)
+                     retain_ttl_ns=pool_kw.pop("retain_ttl_ns", 600 * NS_PER_S), **pool_kw)
     return Engine(pool, profile, node="t/gpu0", config=config)
 
 
 def req(i, t_s, prompt, out, priority=None, hashes=()):
-    return Request(i, int(t_s * NS), prompt, out, priority, hashes)
+    return Request(i, int(t_s * NS_PER_S), prompt, out, priority, hashes)
 
 
 def drain(engine, until_s=600):
-    engine.advance(int(until_s * NS))
+    engine.advance(int(until_s * NS_PER_S))
     return engine.take_events()
 
 
@@ -65,7 +66,7 @@ def _run_once(tmp_path, name):
     e = make_engine(tiny_profile(600))
     for r in load_workload("mixed", window=120, seed=4).requests:
         e.submit(r)
-    e.advance(400 * NS)
+    e.advance(400 * NS_PER_S)
     ev = e.take_events()
     path = tmp_path / name
     write_event_log(path, [EventBatch("t/gpu0", 0, ev)], {"seed": 4})
@@ -151,7 +152,7 @@ def test_workspace_that_finds_no_contiguous_run_crashes_the_engine_and_restarts_
     assert e.oom_log[0]["fragmentation"] and e.oom_log[0]["what"] == "workspace"
     # the restarted engine starts from a reset pool and serves request 1
     admit1 = ev[(ev["kind"] == EventKind.ADMIT) & (ev["req"] == 1)]
-    assert admit1["ts_ns"][0] >= ev["ts_ns"][oom_at] + 60 * NS
+    assert admit1["ts_ns"][0] >= ev["ts_ns"][oom_at] + 60 * NS_PER_S
 
 
 def test_an_oom_fails_the_whole_queue_and_arrivals_while_down_are_rejected():
@@ -170,7 +171,7 @@ def test_an_oom_fails_the_whole_queue_and_arrivals_while_down_are_rejected():
     fin = ev[ev["kind"] == EventKind.FINISH]
     assert list(fin["ts_ns"][:2]) == [oom["ts_ns"][0]] * 2
     arrive2 = ev[(ev["kind"] == EventKind.ARRIVE) & (ev["req"] == 2)]
-    assert len(arrive2) == 1 and fin["ts_ns"][2] == arrive2["ts_ns"][0] == 30 * NS
+    assert len(arrive2) == 1 and fin["ts_ns"][2] == arrive2["ts_ns"][0] == 30 * NS_PER_S
     assert not ((ev["kind"] == EventKind.ADMIT) & (ev["req"] == 2)).any()
     s = e.summary()
     assert (s.requests, s.completed, s.failed, s.rejected, s.unfinished, s.ooms) == (4, 1, 2, 1, 0, 1)
@@ -183,16 +184,16 @@ def test_is_up_is_false_during_the_restart_only():
     e = _crash_setup()
     assert e.is_up(0)
     e.submit(req(0, 1, 20, 10, priority=5))
-    e.advance(2 * NS)
-    assert e.ooms == 1 and e.down_until_ns > 60 * NS
-    assert not e.is_up(30 * NS) and e.is_up(e.down_until_ns)
+    e.advance(2 * NS_PER_S)
+    assert e.ooms == 1 and e.down_until_ns > 60 * NS_PER_S
+    assert not e.is_up(30 * NS_PER_S) and e.is_up(e.down_until_ns)
 
 
 def test_requests_still_queued_at_the_end_are_unfinished():
     e = make_engine()
     for i in range(5):
         e.submit(req(i, 0, 200, 5000, priority=5))
-    e.advance(1 * NS)
+    e.advance(1 * NS_PER_S)
     s = e.summary()
     assert (s.requests, s.completed, s.unfinished) == (5, 0, 5)
 
@@ -205,7 +206,7 @@ def _running(e, rid):
 def test_request_eviction_parks_the_request_and_it_still_completes(handling, tmp_path):
     e = make_engine(checkpoint_dir=tmp_path)
     e.submit(req(0, 0, 300, 200, priority=5))
-    e.advance(1 * NS)
+    e.advance(1 * NS_PER_S)
     assert _running(e, 0)
     units_before = e.pool.metrics().live_units
     result = e.evict_request(0, e.now_ns, granularity="request", handling=handling)
@@ -228,7 +229,7 @@ def test_request_eviction_parks_the_request_and_it_still_completes(handling, tmp
 def test_block_eviction_keeps_the_prefix_and_recomputes_only_the_tail():
     e = make_engine()
     e.submit(req(0, 0, 300, 200, priority=5))
-    e.advance(1 * NS)
+    e.advance(1 * NS_PER_S)
     before = e.pool.request_tokens(0)
     result = e.evict_request(0, e.now_ns, granularity="block", handling=Handling.RECOMPUTE, pages=2)
     assert result.pages == 2 and result.tokens > 0
@@ -252,7 +253,7 @@ def test_running_views_and_compact():
     e = make_engine()
     for i in range(4):
         e.submit(req(i, 0, 200, 300, priority=i))
-    e.advance(2 * NS)
+    e.advance(2 * NS_PER_S)
     views = e.running_requests()
     assert {v.req for v in views} == {0, 1, 2, 3}
     assert all(v.units > 0 and v.state is SeqState.RUNNING and v.prompt_tokens == 200 for v in views)

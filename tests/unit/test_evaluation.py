@@ -1,4 +1,4 @@
-"""Evaluation metrics: labels, AUC, ROC, recall at FPR, lead time (DESIGN §4), false alarms, plots."""
+"""Evaluation metrics: labels, AUC, ROC, recall at FPR, lead time (docs/ARCHITECTURE.md, "Alerts and prediction"), false alarms, plots."""
 
 import numpy as np
 import pytest

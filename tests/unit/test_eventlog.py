@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from kvguard.wire.eventlog import EventLogError, EventLogWriter, read_event_log, write_event_log
 from kvguard.contracts.events import EVENT_DTYPE, EventBatch, EventKind, Geometry, PoolState
+from kvguard.wire.eventlog import EventLogError, EventLogWriter, read_event_log, write_event_log
 
 GEOMETRY = Geometry(total_bytes=1 << 30, weights_bytes=1 << 28, context_bytes=1 << 20, gpu_memory_utilization=0.9,
                     unit_tokens=4, kv_bytes_per_token=1024, dynamic_units=1000, page_classes=(1, 16))

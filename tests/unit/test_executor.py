@@ -3,12 +3,13 @@
 import pytest
 
 from kvguard.actuators.executor import Executor
-from kvguard.contracts.events import EventKind, Handling
 from kvguard.contracts.commands import AckOutcome, Action, Command, Mode, Target
+from kvguard.contracts.events import EventKind, Handling
+from kvguard.contracts.pool_types import PageState
+from kvguard.contracts.units import NS_PER_S
 from kvguard.policy.strategy import Granularity, HandlingChoice
-from kvguard.producers.engine import NS, Engine, SeqState
+from kvguard.producers.engine import Engine, SeqState
 from kvguard.producers.pool import PagedPool
-from kvguard.producers.pool_types import PageState
 from kvguard.producers.profiles import profile_from_dict
 from kvguard.producers.workloads import HASH_BLOCK_TOKENS, Request
 
@@ -29,7 +30,7 @@ def tiny_profile(dynamic_units=2000, swap_units=4000):
 def make_engine(**kw):
     profile = tiny_profile(**kw)
     pool = PagedPool(profile.geometry, node="t/gpu0", swap_capacity_units=profile.swap_capacity_units,
-                     retain_ttl_ns=600 * NS)
+                     retain_ttl_ns=600 * NS_PER_S)
     return Engine(pool, profile, node="t/gpu0")
 
 
@@ -38,7 +39,7 @@ def running_engine(n=3, prompt=300, out=400, hashes=()):
     e = make_engine()
     for i in range(n):
         e.submit(Request(i, 0, prompt, out, 5, hashes))
-    e.advance(int(1.0 * NS))
+    e.advance(int(1.0 * NS_PER_S))
     assert all(v.state is SeqState.RUNNING for v in e.running_requests())
     e.take_events()
     return e
@@ -48,7 +49,7 @@ def command(action=Action.EVICT, targets=(), granularity=Granularity.REQUEST,
             handling=HandlingChoice.RECOMPUTE, **kw):
     return Command(id="c1", node="t/gpu0", action=action, targets=tuple(targets), granularity=granularity,
                    handling=handling, reason="test", mode=Mode.DEFAULT, variant="v", issued_at_ns=0,
-                   ttl_ns=30 * NS, **kw)
+                   ttl_ns=30 * NS_PER_S, **kw)
 
 
 def live_units(engine, req):
@@ -97,7 +98,7 @@ def test_swap_moves_pages_to_host_and_brings_them_back_when_running_again():
     assert result.outcome is AckOutcome.EXECUTED and result.units_freed == units
     assert e.pool.metrics().swap_used_units == units
     assert e.queue_lengths()["swapped"] == 1
-    e.advance(e.now_ns + NS)
+    e.advance(e.now_ns + NS_PER_S)
     assert e.queue_lengths()["swapped"] == 0 and e.pool.metrics().swap_used_units == 0
     ev = e.take_events()
     assert (ev["kind"] == EventKind.SWAP_IN).any()
@@ -106,7 +107,7 @@ def test_swap_moves_pages_to_host_and_brings_them_back_when_running_again():
 def test_swap_with_full_host_space_falls_back_to_recompute():
     e = make_engine(swap_units=1)
     e.submit(Request(0, 0, 300, 400, 5, ()))
-    e.advance(NS)
+    e.advance(NS_PER_S)
     result = Executor(e).execute(command(targets=[Target(0)], handling=HandlingChoice.SWAP), e.now_ns)
     assert result.outcome is AckOutcome.EXECUTED and result.units_freed > 0
     assert any("swap full" in err for err in result.errors)
@@ -117,13 +118,13 @@ def test_swap_with_full_host_space_falls_back_to_recompute():
 def test_checkpoint_handling_writes_the_page_set_and_restores_it(tmp_path):
     profile = tiny_profile()
     pool = PagedPool(profile.geometry, node="t/gpu0", swap_capacity_units=profile.swap_capacity_units,
-                     checkpoint_dir=tmp_path, retain_ttl_ns=600 * NS)
+                     checkpoint_dir=tmp_path, retain_ttl_ns=600 * NS_PER_S)
     e = Engine(pool, profile, node="t/gpu0")
     e.submit(Request(0, 0, 300, 400, 5, ()))
-    e.advance(NS)
+    e.advance(NS_PER_S)
     result = Executor(e).execute(command(targets=[Target(0)], handling=HandlingChoice.CHECKPOINT), e.now_ns)
     assert result.outcome is AckOutcome.EXECUTED
-    e.advance(e.now_ns + NS)
+    e.advance(e.now_ns + NS_PER_S)
     assert (e.take_events()["kind"] == EventKind.SWAP_IN).any()
 
 
@@ -131,7 +132,7 @@ def test_checkpoint_handling_writes_the_page_set_and_restores_it(tmp_path):
 def test_finished_or_unknown_request_is_a_noop_not_an_error(granularity):
     e = make_engine()
     e.submit(Request(0, 0, 40, 2, 5, ()))
-    e.advance(5 * NS)
+    e.advance(5 * NS_PER_S)
     assert e.summary().completed == 1
     result = Executor(e).execute(command(targets=[Target(0, 4), Target(999, 4)], granularity=granularity),
                                  e.now_ns)
@@ -164,7 +165,7 @@ def test_reclaim_drops_cached_prefix_pages():
     hashes = tuple(range(1, 5))
     e = make_engine()
     e.submit(Request(0, 0, 256, 2, 5, hashes))
-    e.advance(5 * NS)
+    e.advance(5 * NS_PER_S)
     cached = e.pool.metrics().cached_units
     assert cached > 0
     result = Executor(e).execute(command(action=Action.RECLAIM, units_needed=cached), e.now_ns)

@@ -5,11 +5,18 @@ from datetime import datetime
 
 import pytest
 
-from kvguard.ops.exporter import (ExportError, ExportState, alert_dedupe_key, alertmanager_alert, format_value,
-                              rfc3339, webhook_payload)
+from kvguard.contracts.units import NS_PER_S
+from kvguard.ops.exporter import (
+    ExportError,
+    ExportState,
+    alert_dedupe_key,
+    alertmanager_alert,
+    format_value,
+    rfc3339,
+    webhook_payload,
+)
 from kvguard.wire.schemas import Ack, Alert, DlqRecord, MetricTick
 
-NS = 1_000_000_000
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
 RULES_METRICS = {"kvguard_u_kv", "kvguard_f_ext", "kvguard_f_int", "kvguard_psi", "kvguard_u_kv_slope_per_min",
                  "kvguard_p_oom", "kvguard_ooms_total", "kvguard_budget_remaining_seconds",
@@ -17,7 +24,7 @@ RULES_METRICS = {"kvguard_u_kv", "kvguard_f_ext", "kvguard_f_int", "kvguard_psi"
 
 
 def tick(node="sim-0/gpu0", ts_s=10, u_kv=0.5, ooms=0, p_oom=None, **kw):
-    return MetricTick(node=node, ts_ns=ts_s * NS, u_kv=u_kv, f_ext=0.25, f_int=0.125, psi=0.75,
+    return MetricTick(node=node, ts_ns=ts_s * NS_PER_S, u_kv=u_kv, f_ext=0.25, f_int=0.125, psi=0.75,
                       slope_per_min=0.01, ooms=ooms, p_oom=p_oom, **kw)
 
 
@@ -64,7 +71,7 @@ def test_exposition_is_parseable_with_help_and_type_once_per_family():
 def test_every_metric_the_prometheus_rules_use_is_rendered_with_the_expected_type():
     state = ExportState()
     state.observe_tick(tick(ooms=1, p_oom=0.7), now_ns=0)
-    state.observe_alert(Alert(node="sim-0/gpu0", ts_ns=NS, name="FragmentationBudgetExhausted", tier="budget",
+    state.observe_alert(Alert(node="sim-0/gpu0", ts_ns=NS_PER_S, name="FragmentationBudgetExhausted", tier="budget",
                               severity="warning", value=4000.0, threshold=3600.0, labels={"week": "2026-W48"}),
                         now_ns=0)
     state.observe_dlq(DlqRecord.of(reason="invalid", detail="", topic="t", partition=0, offset=0, key=None,
@@ -141,8 +148,8 @@ def test_p_oom_absent_until_a_predictor_reports_it():
 def test_silent_nodes_are_dropped_after_the_ttl():
     state = ExportState(ttl_s=60)
     state.observe_tick(tick(node="a"), now_ns=0)
-    state.observe_tick(tick(node="b"), now_ns=50 * NS)
-    samples, _, _ = parse(state.render(now_ns=100 * NS))
+    state.observe_tick(tick(node="b"), now_ns=50 * NS_PER_S)
+    samples, _, _ = parse(state.render(now_ns=100 * NS_PER_S))
     assert {dict(labels)["node"] for (_, labels) in samples if ("node", "a") in labels or ("node", "b") in labels} \
         == {"b"}
     assert state.counters.nodes_expired == 1
@@ -174,7 +181,7 @@ def test_a_redelivered_command_acked_as_duplicate_counts_as_its_own_outcome():
 
 def test_firing_gauge_follows_firing_and_resolved_alerts():
     state = ExportState()
-    fired = Alert(node="n", ts_ns=NS, name="KVCacheUsageHigh", tier="threshold", severity="warning")
+    fired = Alert(node="n", ts_ns=NS_PER_S, name="KVCacheUsageHigh", tier="threshold", severity="warning")
     state.observe_alert(fired, now_ns=0)
     assert 'kvguard_alert_firing{node="n",alertname="KVCacheUsageHigh"' in state.render(now_ns=0)
     state.observe_alert(fired.model_copy(update={"status": "resolved"}), now_ns=0)
@@ -197,8 +204,8 @@ def test_bad_settings_and_records_name_the_field():
 
 
 def stream_alert(status="firing", **kw):
-    fields = dict(node="sim-0/gpu0", ts_ns=1_800_000_000 * NS, name="KVCacheOOMRisk", tier="slope",
-                  severity="critical", status=status, fingerprint="ab12", started_at_ns=1_799_999_000 * NS,
+    fields = dict(node="sim-0/gpu0", ts_ns=1_800_000_000 * NS_PER_S, name="KVCacheOOMRisk", tier="slope",
+                  severity="critical", status=status, fingerprint="ab12", started_at_ns=1_799_999_000 * NS_PER_S,
                   value=0.62, threshold=0.5, summary="nearly full and fragmented",
                   labels={"cluster": "c1", "node": "spoofed"}, annotations={"runbook": "docs/runbook.md"})
     fields.update(kw)
@@ -216,18 +223,18 @@ def test_a_firing_alert_maps_to_alertmanager_without_an_end():
 
 
 def test_a_resolved_alert_maps_with_its_end_time():
-    out = alertmanager_alert(stream_alert("resolved", ends_at_ns=1_800_000_030 * NS))
-    assert out["endsAt"] == rfc3339(1_800_000_030 * NS)
+    out = alertmanager_alert(stream_alert("resolved", ends_at_ns=1_800_000_030 * NS_PER_S))
+    assert out["endsAt"] == rfc3339(1_800_000_030 * NS_PER_S)
     assert datetime.fromisoformat(out["endsAt"].replace("Z", "+00:00")) > \
         datetime.fromisoformat(out["startsAt"].replace("Z", "+00:00"))
-    assert alertmanager_alert(stream_alert("resolved"))["endsAt"] == rfc3339(1_800_000_000 * NS)
+    assert alertmanager_alert(stream_alert("resolved"))["endsAt"] == rfc3339(1_800_000_000 * NS_PER_S)
 
 
 def test_dedupe_key_separates_status_and_episodes_not_redeliveries():
     first = stream_alert()
     assert alert_dedupe_key(first) == alert_dedupe_key(first.model_copy())
     assert alert_dedupe_key(first) != alert_dedupe_key(stream_alert("resolved"))
-    assert alert_dedupe_key(first) != alert_dedupe_key(stream_alert(started_at_ns=1_800_000_500 * NS))
+    assert alert_dedupe_key(first) != alert_dedupe_key(stream_alert(started_at_ns=1_800_000_500 * NS_PER_S))
     assert alert_dedupe_key(stream_alert(fingerprint="")) == alert_dedupe_key(stream_alert(fingerprint=""))
 
 
@@ -245,16 +252,16 @@ def test_webhook_payload_carries_the_record():
 
 def test_a_redelivered_older_firing_does_not_undo_a_resolve():
     state = ExportState()
-    fired = Alert(node="n", ts_ns=NS, name="KVCacheUsageHigh", tier="threshold", severity="warning")
+    fired = Alert(node="n", ts_ns=NS_PER_S, name="KVCacheUsageHigh", tier="threshold", severity="warning")
     state.observe_alert(fired, now_ns=0)
-    state.observe_alert(fired.model_copy(update={"status": "resolved", "ts_ns": 2 * NS}), now_ns=0)
+    state.observe_alert(fired.model_copy(update={"status": "resolved", "ts_ns": 2 * NS_PER_S}), now_ns=0)
     state.observe_alert(fired, now_ns=0)
     assert "kvguard_alert_firing" not in state.render(now_ns=0)
     assert state.counters.alerts_stale == 1
 
 
 def test_a_firing_alert_promised_until_a_time_carries_that_end():
-    out = alertmanager_alert(stream_alert(), valid_until_ns=1_800_000_240 * NS)
+    out = alertmanager_alert(stream_alert(), valid_until_ns=1_800_000_240 * NS_PER_S)
     assert out["endsAt"] == "2027-01-15T08:04:00.000Z"
 
 

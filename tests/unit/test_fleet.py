@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from kvguard.contracts.events import EventKind, Outcome
-from kvguard.producers.engine import NS, EngineConfig
+from kvguard.contracts.units import NS_PER_S
+from kvguard.producers.engine import EngineConfig
 from kvguard.producers.fleet import Fleet
 from kvguard.producers.workloads import Request, load_workload
 from tests.unit.test_engine import tiny_profile
@@ -17,8 +18,8 @@ def _fleet(n=3, **kw):
 def _run(fleet, until_s=120, flush_s=10):
     batches = []
     for t in range(flush_s, until_s + 1, flush_s):
-        fleet.advance(t * NS)
-        batches += fleet.take_batches(t * NS)
+        fleet.advance(t * NS_PER_S)
+        batches += fleet.take_batches(t * NS_PER_S)
     return batches
 
 
@@ -93,11 +94,11 @@ def _outcomes(fleet):
 @pytest.mark.parametrize("router", ["least_loaded", "round_robin"])
 def test_router_sends_no_work_to_a_gpu_that_is_restarting(router):
     fleet = _crash_fleet(router=router)
-    reqs = [Request(0, 1 * NS, 20, 10, 5, ())]  # gpu0 takes it and crashes
-    reqs += [Request(i, (5 + 5 * i) * NS, 20, 10, 5, ()) for i in range(1, 9)]  # gpu0 is down until ~61 s
-    reqs += [Request(20, 100 * NS, 20, 10, 5, ()), Request(21, 100 * NS, 20, 10, 5, ())]  # both up again
+    reqs = [Request(0, 1 * NS_PER_S, 20, 10, 5, ())]  # gpu0 takes it and crashes
+    reqs += [Request(i, (5 + 5 * i) * NS_PER_S, 20, 10, 5, ()) for i in range(1, 9)]  # gpu0 is down until ~61 s
+    reqs += [Request(20, 100 * NS_PER_S, 20, 10, 5, ()), Request(21, 100 * NS_PER_S, 20, 10, 5, ())]  # both up again
     fleet.submit_workload(reqs)
-    fleet.advance(200 * NS)
+    fleet.advance(200 * NS_PER_S)
     got = _outcomes(fleet)
     assert got[0] == ("sim-0/gpu0", Outcome.FAILED_OOM)
     assert fleet.engines[0].ooms == 1 and fleet.engines[1].ooms == 0
@@ -111,9 +112,9 @@ def test_router_sends_no_work_to_a_gpu_that_is_restarting(router):
 
 def test_when_every_gpu_is_down_arrivals_are_rejected():
     fleet = _crash_fleet(fragment=(0, 1))
-    fleet.submit_workload([Request(0, 1 * NS, 20, 10, 5, ()), Request(1, 1 * NS, 20, 10, 5, ()),
-                           Request(2, 10 * NS, 20, 10, 5, ()), Request(3, 20 * NS, 20, 10, 5, ())])
-    fleet.advance(100 * NS)
+    fleet.submit_workload([Request(0, 1 * NS_PER_S, 20, 10, 5, ()), Request(1, 1 * NS_PER_S, 20, 10, 5, ()),
+                           Request(2, 10 * NS_PER_S, 20, 10, 5, ()), Request(3, 20 * NS_PER_S, 20, 10, 5, ())])
+    fleet.advance(100 * NS_PER_S)
     got = _outcomes(fleet)
     assert got[0] == ("sim-0/gpu0", Outcome.FAILED_OOM) and got[1] == ("sim-0/gpu1", Outcome.FAILED_OOM)
     assert got[2][1] is Outcome.REJECTED and got[3][1] is Outcome.REJECTED

@@ -6,8 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from kvguard.streams.lstm import (LSTMPredictor, ModelError, ModelFeatureMismatch, ModelMetadata, Normalisation,
-                          OOMNet, load_model, save_model)
+from kvguard.streams.lstm import (
+    LSTMPredictor,
+    ModelError,
+    ModelFeatureMismatch,
+    ModelMetadata,
+    Normalisation,
+    OOMNet,
+    load_model,
+    save_model,
+)
 from kvguard.streams.metrics import FEATURE_NAMES
 from kvguard.streams.predictor import Predictor, check_predictor, window_from_history
 

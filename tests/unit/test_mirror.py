@@ -2,9 +2,11 @@
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from kvguard.contracts.events import EVENT_DTYPE, EventKind as K, free_runs_checksum
+from kvguard.contracts.events import EVENT_DTYPE, free_runs_checksum
+from kvguard.contracts.events import EventKind as K
 from kvguard.streams.mirror import AllocatorMirror, MirrorError
 from tests.unit.streams_refpool import RefPool, small_geometry
 

@@ -67,10 +67,10 @@ def test_mode_changes_are_published_as_alerts_by_the_service():
     import orjson
 
     from kvguard.bus.inproc import InprocBus
-    from kvguard.wire.settings import Settings
     from kvguard.policy.budget import BudgetConfig, MemoryBudgetLedger, tick_week
     from kvguard.policy.engine import EngineConfig, PolicyEngine
     from kvguard.policy.service import MODE_ALERT, PolicyService
+    from kvguard.wire.settings import Settings
 
     settings = Settings()
     bus = InprocBus.from_settings(settings)
@@ -119,9 +119,9 @@ async def test_policy_service_delivers_through_a_broker_outage_before_committing
     import orjson
 
     from kvguard.bus.inproc import InprocBus
-    from kvguard.wire.settings import Settings
     from kvguard.policy.engine import EngineConfig, PolicyEngine
     from kvguard.policy.service import PolicyService
+    from kvguard.wire.settings import Settings
     from tests.unit.test_actuator import FlakyBus
 
     settings = Settings()
@@ -151,9 +151,9 @@ def test_slo_recorder_writes_predictions_oom_lead_times_evictions_and_their_outc
 
     import numpy as np
 
+    from kvguard.contracts.commands import Ack, AckOutcome, Action, Command, Target
     from kvguard.contracts.events import EVENT_DTYPE, EventKind, Outcome
     from kvguard.policy.budget import iso_week
-    from kvguard.contracts.commands import Ack, AckOutcome, Action, Command, Target
     from kvguard.policy.service import SloRecorder
     from kvguard.policy.slo import MemorySloLedger
     from kvguard.policy.strategy import Granularity, HandlingChoice

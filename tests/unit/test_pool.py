@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from kvguard.contracts.events import F_TO_CACHE, EventKind, Geometry, Handling, RegionState, free_runs_checksum
 from kvguard.producers.allocator import FreeRunAllocator
-from kvguard.producers.pool import (CheckpointMissing, PagedPool, PageState, PoolExhausted, SwapFull, UnknownPage,
-                            UnknownRequest, UnknownWorkspace)
+from kvguard.producers.pool import (
+    CheckpointMissing,
+    PagedPool,
+    PageState,
+    PoolExhausted,
+    SwapFull,
+    UnknownPage,
+    UnknownRequest,
+    UnknownWorkspace,
+)
 from tests.unit.pool_replay import ReplayMirror
 
 

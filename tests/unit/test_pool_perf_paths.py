@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from kvguard.contracts.events import EVENT_DTYPE, EventKind, Geometry, Handling
+from kvguard.contracts.units import NS_PER_S
 from kvguard.producers.allocator import FreeRunAllocator
-from kvguard.producers.engine import NS, Engine
+from kvguard.producers.engine import Engine
 from kvguard.producers.fleet import Fleet
 from kvguard.producers.pool import PagedPool, PoolError, _Page, _Table
 from kvguard.producers.profiles import load_profile
@@ -321,8 +322,8 @@ def run_fleet(profile_name, workload, rate_scale, seconds, batched: bool, monkey
         fleet.submit_workload(wl)
         rows = []
         for t in range(1, int(seconds) + 1):
-            fleet.advance(t * NS)
-            rows += [b.events.tobytes() if hasattr(b, "events") else repr(b).encode() for b in fleet.take_batches(t * NS)]
+            fleet.advance(t * NS_PER_S)
+            rows += [b.events.tobytes() if hasattr(b, "events") else repr(b).encode() for b in fleet.take_batches(t * NS_PER_S)]
         return b"".join(rows), fleet.summary().to_dict()
 
 

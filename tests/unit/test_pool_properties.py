@@ -14,8 +14,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvguard.contracts.events import Geometry, Handling
-from kvguard.producers.pool import (CheckpointMissing, PagedPool, PageState, PoolExhausted, SwapFull, UnknownPage,
-                            UnknownRequest)
+from kvguard.producers.pool import (
+    CheckpointMissing,
+    PagedPool,
+    PageState,
+    PoolExhausted,
+    SwapFull,
+    UnknownPage,
+    UnknownRequest,
+)
 from tests.unit.pool_replay import ReplayMirror
 
 settings.register_profile("ci", max_examples=60, stateful_step_count=50, deadline=None,

@@ -6,17 +6,15 @@ import gzip
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from kvguard.cli import app
+from kvguard.contracts.events import EventKind
+from kvguard.contracts.units import NS_PER_S
 from kvguard.ops import rca
 from kvguard.runtime.bootstrap import bootstrap
-from kvguard.cli import app
 from kvguard.wire.eventlog import EventLogWriter, read_event_log
-from kvguard.contracts.events import EventKind
-
-NS = 1_000_000_000
 
 
 def _record(path: Path, *, rate_scale: float, duration_s: float, seed: int = 0) -> list[dict]:
@@ -31,7 +29,7 @@ def _record(path: Path, *, rate_scale: float, duration_s: float, seed: int = 0) 
     fleet = Fleet(1, profile, seed=seed)
     fleet.submit_workload(wl)
     with EventLogWriter(path, {"workload": "mixed", "nodes": fleet.nodes}) as w:
-        for t in range(NS, int(duration_s * NS) + NS, NS):
+        for t in range(NS_PER_S, int(duration_s * NS_PER_S) + NS_PER_S, NS_PER_S):
             fleet.advance(t)
             for b in fleet.take_batches(t):
                 w.write(b)
@@ -87,7 +85,7 @@ def test_lead_times_are_consistent_with_the_alerts(replayed):
             assert out.lead_s >= 0
             if out.lead_s > 0:
                 assert out.rules_firing, f"{tier} has lead {out.lead_s} but no rule firing before the OOM"
-                start = r.ts_ns - round(out.lead_s * NS)
+                start = r.ts_ns - round(out.lead_s * NS_PER_S)
                 earlier = [o.ts_ns for o in node.ooms if o.ts_ns < r.ts_ns]
                 fired = [ts for ts, _, t, firing in node.transitions
                          if firing and rca.TIERS[t - 1] == tier and abs(ts - start) <= 1]
@@ -118,7 +116,7 @@ def test_admitted_requests_are_from_the_minute_before_with_their_prompts(oom_log
     assert with_admits
     for r in with_admits:
         for a in r.admitted:
-            assert r.ts_ns - 60 * NS <= a.admit_ts_ns <= r.ts_ns
+            assert r.ts_ns - 60 * NS_PER_S <= a.admit_ts_ns <= r.ts_ns
             assert a.prompt_tokens == prompts[a.req]
         assert r.trigger.prompt_tokens == max(a.prompt_tokens for a in r.admitted)
 

@@ -5,7 +5,8 @@ import base64
 import numpy as np
 import orjson
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvguard.contracts.events import COLUMNS, EVENT_DTYPE, EventBatch, Geometry, PoolState
 from kvguard.wire.schemas import (

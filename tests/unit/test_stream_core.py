@@ -3,21 +3,21 @@
 import numpy as np
 import pytest
 
-from kvguard.contracts.events import EventBatch, EventKind as K
+from kvguard.contracts.events import EventBatch
+from kvguard.contracts.events import EventKind as K
+from kvguard.contracts.units import NS_PER_S
 from kvguard.streams.core import NodeState, StreamConfig, StreamConfigError, StreamCore
 from kvguard.streams.metrics import FEATURE_NAMES, Tick
 from kvguard.streams.predictor import PredictorMismatch
 from tests.unit.streams_refpool import RefPool, batches_of, small_geometry
-
-NS = 1_000_000_000
 
 
 def drive(seed: int, seconds: float, tick_s: float = 10.0, units: int = 128):
     """Run the reference allocator for ``seconds`` of event time; return it and the exact metrics
     at each tick boundary (the state after every event before the boundary)."""
     pool = RefPool(small_geometry(units), seed=seed)
-    tick_ns = int(tick_s * NS)
-    end = pool.now + int(seconds * NS)
+    tick_ns = int(tick_s * NS_PER_S)
+    end = pool.now + int(seconds * NS_PER_S)
     expected: dict[int, dict] = {}
     names, weights = zip(*RefPool.OPS)
     while pool.now < end:
@@ -54,17 +54,17 @@ def test_ticks_equal_exact_state_at_every_boundary_for_any_batching():
 def test_idle_boundaries_are_ticked_and_counts_cover_their_interval():
     g = small_geometry(32)
     pool = RefPool(g, seed=0)
-    pool.now = 5 * NS
+    pool.now = 5 * NS_PER_S
     r = pool.arrive()
-    pool.now = 37 * NS
+    pool.now = 37 * NS_PER_S
     pool.arrive()
     core = StreamCore(StreamConfig(tick_s=10))
     ticks, _ = core.process(EventBatch("n", 0, pool.events(), geometry=g))
-    assert [t.ts_ns for t in ticks] == [10 * NS, 20 * NS, 30 * NS]
+    assert [t.ts_ns for t in ticks] == [10 * NS_PER_S, 20 * NS_PER_S, 30 * NS_PER_S]
     assert [t.arrivals for t in ticks] == [1, 0, 0]
     assert r > 0
-    ticks, _ = core.flush(40 * NS)
-    assert [(t.ts_ns, t.arrivals) for t in ticks] == [(40 * NS, 1)]
+    ticks, _ = core.flush(40 * NS_PER_S)
+    assert [(t.ts_ns, t.arrivals) for t in ticks] == [(40 * NS_PER_S, 1)]
 
 
 def test_slope_is_least_squares_of_u_kv_over_trailing_window_per_minute():
@@ -74,9 +74,9 @@ def test_slope_is_least_squares_of_u_kv_over_trailing_window_per_minute():
     pool.requests[r]["running"] = True
     pool.emit(K.ADMIT, req=r)
     for i in range(60):  # one unit more every 10 s: U_kv rises 0.01 per 10 s = 0.06 per minute
-        pool.now = (i * 10 + 5) * NS
+        pool.now = (i * 10 + 5) * NS_PER_S
         pool.emit(K.ALLOC, req=r, offset=i, size=1, tokens=4)
-    pool.now = 605 * NS
+    pool.now = 605 * NS_PER_S
     pool.emit(K.STEP, size=1)
     core = StreamCore(StreamConfig(tick_s=10, slope_window_s=300))
     ticks, alerts = core.process(EventBatch("n", 0, pool.events(), geometry=g))
@@ -175,19 +175,19 @@ def test_candidates_include_the_lru_lowest_priority_and_largest_exclusive_holder
     pool = RefPool(g, seed=0)
     reqs = []
     for i in range(10):
-        pool.now = (i + 1) * NS
+        pool.now = (i + 1) * NS_PER_S
         r = pool.arrive()
         pool.emit(K.ADMIT, req=r)
         reqs.append(r)
     prios = {r: pool.requests[r]["priority"] for r in reqs}
     offset = 0
     for i, r in enumerate(reqs):  # request i holds i+1 one-unit pages, touched at time 20+i
-        pool.now = (20 + i) * NS
+        pool.now = (20 + i) * NS_PER_S
         for _ in range(i + 1):
             pool.emit(K.ALLOC, req=r, offset=offset, size=1, tokens=2)
             offset += 1
     pool.emit(K.SHARE, req=reqs[0], offset=offset - 1, size=1, tokens=2)  # r0 shares r9's last page
-    pool.now = 45 * NS
+    pool.now = 45 * NS_PER_S
     pool.emit(K.STEP, size=1)
     ticks, _ = StreamCore(StreamConfig(max_candidates=4)).process(EventBatch("n", 0, pool.events(), geometry=g))
     cands = {c.req: c for c in ticks[-1].candidates}
@@ -196,7 +196,7 @@ def test_candidates_include_the_lru_lowest_priority_and_largest_exclusive_holder
     assert reqs[1] in cands and lowest in cands and reqs[9] in cands  # LRU (r0 touched last), priority, largest
     assert cands[reqs[9]].units == 10 and cands[reqs[9]].shared_units == 1 and cands[reqs[9]].pages == 10
     assert cands[reqs[1]].prompt_tokens == pool.requests[reqs[1]]["prompt"]
-    assert cands[reqs[1]].priority == prios[reqs[1]] and cands[reqs[1]].last_ts_ns == 21 * NS
+    assert cands[reqs[1]].priority == prios[reqs[1]] and cands[reqs[1]].last_ts_ns == 21 * NS_PER_S
 
 
 def test_tick_dict_round_trip():
@@ -248,7 +248,7 @@ def test_metrics_cli_prints_tick_and_alert_lines_for_an_event_log(tmp_path):
     for i in range(pool.D):
         pool.now += 30_000_000
         pool.emit(K.ALLOC, req=r, offset=i, size=1, tokens=4)
-    pool.now += 25 * NS
+    pool.now += 25 * NS_PER_S
     pool.emit(K.STEP, size=1)
     path = tmp_path / "log.jsonl.gz"
     write_event_log(path, batches_of(pool.events(), "n0", pool.g, list(range(100, len(pool.rows), 100))), {})
@@ -295,14 +295,14 @@ def test_a_producer_restart_with_a_newer_epoch_starts_the_node_over_on_its_new_c
     old = batches_of(first.events(), "n", first.g, list(range(40, len(first.rows), 40)), epoch=7)
     ticks_old = [t for b in old for t in core.process(b)[0]]
     st = core.nodes["n"]
-    assert ticks_old[-1].ts_ns > 200 * NS and {t.epoch for t in ticks_old} == {7}
+    assert ticks_old[-1].ts_ns > 200 * NS_PER_S and {t.epoch for t in ticks_old} == {7}
     new_events = second.events()
     new = batches_of(new_events, "n", second.g, list(range(40, len(second.rows), 40)), epoch=8)
     ticks_new = [t for b in new for t in core.process(b)[0]]
     assert st.restarts == 1 and st.epoch == 8 and st.duplicates == 0
     got = {t.ts_ns: t for t in ticks_new}
     assert set(got) == {b for b in expected if b <= int(new_events["ts_ns"][-1])}
-    assert min(got) == 10 * NS
+    assert min(got) == 10 * NS_PER_S
     for b, t in got.items():  # a fresh mirror: exactly the new run's state, synced, epoch 8
         assert (t.u_kv, t.f_ext, t.psi) == (expected[b]["u_kv"], expected[b]["f_ext"], expected[b]["psi"])
         assert t.synced and t.epoch == 8

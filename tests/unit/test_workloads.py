@@ -4,7 +4,13 @@ import numpy as np
 import pytest
 
 from kvguard.producers.workloads import (
-    HASH_BLOCK_TOKENS, SCENARIOS, WorkloadError, chain_hashes, load_trace, load_workload, make_scenario,
+    HASH_BLOCK_TOKENS,
+    SCENARIOS,
+    WorkloadError,
+    chain_hashes,
+    load_trace,
+    load_workload,
+    make_scenario,
 )
 
 

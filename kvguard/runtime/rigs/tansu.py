@@ -16,8 +16,8 @@ Tansu 0.6 quirks (found with aiokafka 0.14):
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import atexit
+import concurrent.futures
 import os
 import subprocess
 import tempfile
