@@ -50,9 +50,9 @@ Pure and deterministic: time is the tick's event time, no clock, no I/O. The ser
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from kvguard.contracts.commands import Action, Command, Mode, Target, command_id, sign
+from kvguard.contracts.tick import Tick
 from kvguard.contracts.units import NS_PER_S
 from kvguard.policy.modes import ModeChange, ModeConfig, ModeTracker
 from kvguard.policy.planner import CostModel, NodeView, Plan, PlannerConfig, compaction_run_units, plan, view_from_tick
@@ -134,8 +134,8 @@ class PolicyEngine:
     def strategy_for(self, mode: Mode) -> Strategy:
         return self.config.emergency if mode is Mode.EMERGENCY else self.config.default
 
-    def decide(self, tick: Any, *, budget_remaining_frac: float | None = None) -> Decision:
-        """Commands for one tick of one node. ``tick``: a ``streams.metrics.Tick`` or a ``NodeView``.
+    def decide(self, tick: Tick | NodeView, *, budget_remaining_frac: float | None = None) -> Decision:
+        """Commands for one tick of one node. ``tick``: a ``Tick`` (``kvguard.contracts.tick``) or a ``NodeView``.
 
         Ticks are ordered per node by (producer epoch, ts_ns). A tick at or before the node's
         last decided tick (a redelivered duplicate, or an older tick replayed after a consumer
@@ -349,13 +349,9 @@ class PolicyEngine:
         return recent
 
 
-def _epoch_of(tick: Any) -> int | None:
-    """The producer epoch a tick (``Tick``, ``MetricTick`` or mapping) carries; None for a
-    ``NodeView``, which has none. A tick record from before the field counts as epoch 0."""
-    if isinstance(tick, NodeView):
-        return None
-    value = tick.get("epoch", 0) if isinstance(tick, dict) else getattr(tick, "epoch", 0)
-    return int(value or 0)
+def _epoch_of(tick: Tick | NodeView) -> int | None:
+    """The producer epoch a tick carries; None for a ``NodeView``, which has none."""
+    return None if isinstance(tick, NodeView) else tick.epoch
 
 
 def trigger_reason(view: NodeView, strategy: Strategy, forecast_step_s: float,

@@ -67,9 +67,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from kvguard.contracts.pressure import ALPHA, BETA
+from kvguard.contracts.tick import Candidate as TickCandidate
+from kvguard.contracts.tick import Tick
 from kvguard.contracts.units import DEFAULT_PRIORITY
 from kvguard.policy.strategy import Granularity, HandlingChoice, Selection, Strategy
 
@@ -310,54 +312,26 @@ def plan(view: NodeView, strategy: Strategy, config: PlannerConfig, cost: CostMo
                 reason=reason, priority_defaulted=defaulted, notes=tuple(notes))
 
 
-def view_from_tick(tick: Any, *, dynamic_units: int | None = None, unit_tokens: int = 4) -> NodeView:
-    """Adapt a ``streams.metrics.Tick`` (or any object/mapping with its field names) to a view."""
-    get = (lambda k, d=None: tick.get(k, d)) if isinstance(tick, dict) else (
-        lambda k, d=None: getattr(tick, k, d))
-    d_units = dynamic_units or get("dynamic_units") or 0
-    free_units = int(get("free_units", 0) or 0)
-    if not d_units:
-        free_frac = get("free_frac")
-        d_units = int(round(free_units / free_frac)) if free_frac else 0
-    forecast = get("u_kv_forecast") or ()
+def view_from_tick(tick: Tick, *, dynamic_units: int | None = None, unit_tokens: int = 4) -> NodeView:
+    """What the planner reads of a tick; ``dynamic_units`` (D) overrides the tick's when given."""
     return NodeView(
-        node=str(get("node")),
-        ts_ns=int(get("ts_ns", 0)),
-        u_kv=float(get("u_kv", 0.0)),
-        f_ext=float(get("f_ext", 0.0)),
-        f_int=float(get("f_int", 0.0)),
-        psi=float(get("psi", 0.0)),
-        dynamic_units=int(d_units),
-        free_units=free_units,
-        largest_free_run_units=int(get("largest_free_run_units", 0) or 0),
-        workspace_units=int(get("workspace_units", 0) or 0),
-        cached_units=int(get("cached_units", 0) or 0),
-        slope_per_min=float(get("slope_per_min", 0.0) or 0.0),
-        p_oom=None if get("p_oom") is None else float(get("p_oom")),
-        u_kv_forecast=tuple(float(x) for x in forecast),
-        ooms=int(get("ooms", 0) or 0),
-        preemptions=int(get("preemptions", 0) or 0),
-        alloc_failures=int(get("alloc_failures", 0) or 0),
-        candidates=tuple(candidate_from(c, unit_tokens) for c in (get("candidates") or ())),
+        node=tick.node, ts_ns=tick.ts_ns, u_kv=float(tick.u_kv), f_ext=float(tick.f_ext), f_int=float(tick.f_int),
+        psi=float(tick.psi), dynamic_units=int(dynamic_units or tick.dynamic_units or 0),
+        free_units=int(tick.free_units or 0), largest_free_run_units=int(tick.largest_free_run_units or 0),
+        workspace_units=int(tick.workspace_units or 0), cached_units=int(tick.cached_units or 0),
+        slope_per_min=float(tick.slope_per_min or 0.0), p_oom=None if tick.p_oom is None else float(tick.p_oom),
+        u_kv_forecast=tuple(float(x) for x in tick.u_kv_forecast or ()), ooms=int(tick.ooms or 0),
+        preemptions=int(tick.preemptions or 0), alloc_failures=int(tick.alloc_failures or 0),
+        candidates=tuple(candidate_from(c, unit_tokens) for c in tick.candidates),
     )
 
 
-def candidate_from(obj: Any, unit_tokens: int = 4) -> Candidate:
-    get = (lambda k, d=None: obj.get(k, d)) if isinstance(obj, dict) else (
-        lambda k, d=None: getattr(obj, k, d))
-    priority = get("priority")
-    generated = get("generated_tokens")
-    if generated is None and get("prompt_tokens") is not None:
-        # the stream knows the prompt and the pages' token capacity: the rest was decoded
-        generated = max(0, int(get("tokens", 0)) - int(get("prompt_tokens")))
+def candidate_from(c: TickCandidate, unit_tokens: int = 4) -> Candidate:
+    """The planner's view of a tick's candidate: a negative priority means none was given, and the
+    tokens beyond the prompt were decoded (the stream knows the prompt and the pages' capacity)."""
     return Candidate(
-        req=int(get("req")),
-        priority=None if priority is None or int(priority) < 0 else int(priority),
-        units=int(get("units", 0)),
-        tokens=int(get("tokens", 0)),
-        last_ts_ns=int(get("last_ts_ns", 0)),
-        shared_units=int(get("shared_units", 0) or 0),
-        generated_tokens=int(generated or 0),
-        prompt_tokens=int(get("prompt_tokens", 0) or 0),
+        req=int(c.req), priority=None if c.priority is None or int(c.priority) < 0 else int(c.priority),
+        units=int(c.units), tokens=int(c.tokens), last_ts_ns=int(c.last_ts_ns), shared_units=int(c.shared_units or 0),
+        generated_tokens=max(0, int(c.tokens) - int(c.prompt_tokens)), prompt_tokens=int(c.prompt_tokens or 0),
         unit_tokens=unit_tokens,
     )

@@ -14,9 +14,9 @@ commands and alerts were delivered (``deliver_all`` retries through a broker out
 
 ``handle_tick`` is synchronous and returns the records, so the embedded loop calls it directly
 and deterministically; ``run`` is the async consumer over any bus (in-process or Kafka).
-Ticks are validated against the wire contract (``kvguard.wire.schemas.MetricTick``, DLQ on failure)
-but read from the record's JSON itself, so fields a newer stream adds (the candidates' prompt
-sizes, the utilization split in units) reach the planner.
+Ticks from the bus are validated against the wire contract (``kvguard.wire.schemas.MetricTick``,
+DLQ on failure) and handed on as the core's ``Tick`` (``MetricTick.to_tick()``): the embedded loop
+and a consumer over Kafka give the engine the same value.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from typing import Any
 
 from kvguard.bus.deliver import deliver_all
 from kvguard.contracts.commands import Command, Mode
+from kvguard.contracts.tick import Tick
 from kvguard.contracts.tiers import LEAD_TIME_SIGNALS, AlertThresholds, signal_conditions
+from kvguard.policy.budget import tick_week
 from kvguard.policy.engine import Decision, PolicyEngine
 from kvguard.policy.modes import ModeChange
 
@@ -64,7 +66,7 @@ class PolicyService:
 
     # -- the synchronous core of the shell ------------------------------------------------------
 
-    def handle_tick(self, tick: Any) -> Outgoing:
+    def handle_tick(self, tick: Tick) -> Outgoing:
         self.ticks += 1
         remaining_frac = self._budget(tick)
         decision = self.engine.decide(tick, budget_remaining_frac=remaining_frac)
@@ -86,19 +88,12 @@ class PolicyService:
             out.alerts.extend(budget_alert_record(a) for a in self.ledger.take_alerts())
         return out
 
-    def _budget(self, tick: Any) -> float | None:
+    def _budget(self, tick: Tick) -> float | None:
         if self.ledger is None:
             return None
-        from kvguard.policy.budget import tick_week
-
-        get = tick.get if isinstance(tick, dict) else (lambda k, d=None: getattr(tick, k, d))
         try:
-            if isinstance(tick, dict):
-                self.ledger.debit(str(tick["node"]), int(tick["ts_ns"]),
-                                  float(tick.get("tick_s") or self.settings.streams.tick_s), float(tick["f_ext"]))
-            else:
-                self.ledger.debit_tick(tick)
-            remaining_s = self.ledger.remaining(str(get("node")), tick_week(int(get("ts_ns"))))
+            self.ledger.debit_tick(tick)
+            remaining_s = self.ledger.remaining(tick.node, tick_week(tick.ts_ns))
         except Exception as err:  # the budget informs the policy; an unreachable ledger must not stop it
             self.budget_errors += 1
             if not self._budget_down:
@@ -142,7 +137,6 @@ class PolicyService:
         gets it again (commands are idempotent by id). Within one process the engine skips ticks
         it has decided on already (``PolicyEngine.decide``: stale ticks).
         """
-        import orjson
 
         from kvguard.bus.dlq import RecordDecoder
 
@@ -153,8 +147,9 @@ class PolicyService:
                 records = await subscription.getmany(max_records=512, timeout_s=poll_s)
                 pending: list = []
                 for record in records:
-                    if await decoder.decode("metrics", record) is not None:
-                        out = self.handle_tick(orjson.loads(record.value))
+                    model = await decoder.decode("metrics", record)
+                    if model is not None:
+                        out = self.handle_tick(model.to_tick())
                         pending += self.messages(out)
                         if on_output is not None:
                             on_output(out)
@@ -237,22 +232,21 @@ class SloRecorder:
 
     # ticks ---------------------------------------------------------------------------------------
 
-    def observe_tick(self, tick: Any) -> None:
-        get = tick.get if isinstance(tick, dict) else (lambda k, d=None: getattr(tick, k, d))
-        node, ts_ns = str(get("node")), int(get("ts_ns"))
+    def observe_tick(self, tick: Tick) -> None:
+        node, ts_ns = tick.node, tick.ts_ns
         if ts_ns <= self._last_ts.get(node, -1):
             return  # a redelivered tick was counted already
         self._last_ts[node] = ts_ns
         self.counters.ticks += 1
-        p_oom = get("p_oom")
+        p_oom = tick.p_oom
         onset = self._onset.setdefault(node, {})
-        if int(get("ooms") or 0) > 0:
+        if tick.ooms > 0:
             tiers = [t for t in LEAD_TIME_SIGNALS if t != "lstm" or p_oom is not None]
             leads = {t: (ts_ns - onset[t]) / 1e9 if t in onset else 0.0 for t in tiers}
             self.tracker.observe_oom(node, ts_ns)
             if self._call(self.ledger.record_oom, node, ts_ns, leads):
                 self.counters.ooms += 1
-        for tier, holds in self._conditions(get, p_oom).items():
+        for tier, holds in self._conditions(tick).items():
             if holds:
                 onset.setdefault(tier, ts_ns)
             else:
@@ -260,11 +254,9 @@ class SloRecorder:
         self.tracker.observe_tick(node, ts_ns, None if p_oom is None else float(p_oom))
         self._resolve(ts_ns)
 
-    def _conditions(self, get: Any, p_oom: Any) -> dict[str, bool]:
-        return signal_conditions(self.thresholds or AlertThresholds(), u_kv=float(get("u_kv") or 0.0),
-                                 psi=float(get("psi") or 0.0), f_ext=float(get("f_ext") or 0.0),
-                                 slope_per_min=float(get("slope_per_min") or 0.0),
-                                 p_oom=None if p_oom is None else float(p_oom), p_oom_threshold=self.threshold)
+    def _conditions(self, tick: Tick) -> dict[str, bool]:
+        return signal_conditions(self.thresholds or AlertThresholds(), u_kv=tick.u_kv, psi=tick.psi, f_ext=tick.f_ext,
+                                 slope_per_min=tick.slope_per_min, p_oom=tick.p_oom, p_oom_threshold=self.threshold)
 
     def _resolve(self, now_ns: int) -> None:
         for outcome in self.tracker.resolve(now_ns):

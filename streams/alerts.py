@@ -15,9 +15,9 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvguard.contracts.tick import Tick
 from kvguard.contracts.tiers import TIER_NAMES, AlertThresholds
 from kvguard.contracts.units import NS_PER_S
-from kvguard.streams.metrics import Tick
 
 FIRING = "firing"
 RESOLVED = "resolved"

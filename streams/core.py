@@ -31,9 +31,10 @@ import numpy as np
 
 from kvguard.contracts import pressure
 from kvguard.contracts.events import EventBatch, EventKind, Geometry
+from kvguard.contracts.tick import SINCE_OOM_CAP_S, Candidate, Tick
 from kvguard.contracts.units import NS_PER_S
 from kvguard.streams.alerts import Alert, AlertEvaluator, AlertThresholds, default_rules
-from kvguard.streams.metrics import SINCE_OOM_CAP_S, Candidate, Tick, least_squares_slope, percentiles, tick_features
+from kvguard.streams.metrics import least_squares_slope, percentiles, tick_features
 from kvguard.streams.mirror import AllocatorMirror
 from kvguard.streams.predictor import DEFAULT_WINDOW_TICKS, FeatureHistory, Predictor, check_predictor
 
@@ -521,9 +522,8 @@ class StreamCore:
                 p_oom, traj = self._score_stateful(produced)
             else:
                 p_oom, traj = self.predictor.predict(np.stack([w for _, _, w in produced]))
-            for i, (_, tick, _) in enumerate(produced):
-                tick.p_oom = float(p_oom[i])
-                tick.u_kv_forecast = [float(x) for x in np.asarray(traj[i]).ravel()]
+            produced = [(st, tick.with_prediction(float(p_oom[i]), [float(x) for x in np.asarray(traj[i]).ravel()]), w)
+                        for i, (st, tick, w) in enumerate(produced)]
         ticks, alerts = [], []
         for st, tick, _ in produced:
             ticks.append(tick)

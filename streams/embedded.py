@@ -19,9 +19,9 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvguard.contracts.tick import Tick
 from kvguard.streams.alerts import Alert
 from kvguard.streams.core import StreamConfig, StreamCore
-from kvguard.streams.metrics import Tick
 from kvguard.streams.outputs import output_records
 from kvguard.streams.predictor import Predictor
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import orjson
 
+from kvguard.contracts.tick import Tick
 from kvguard.streams.alerts import Alert, alert_record
-from kvguard.streams.metrics import Tick, tick_record
+from kvguard.streams.metrics import tick_record
 from kvguard.wire.schemas import Alert as AlertModel
 from kvguard.wire.schemas import MetricTick, make_headers
 

@@ -55,14 +55,16 @@ def demo_workload(profile: Any, *, workload: str, rate_scale: float, duration_s:
 
 
 async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: float, seed: int, guarded: bool,
-                       view: Any = None, progress: Any = None, host: str = "sim-0") -> RunResult:
+                       view: Any = None, progress: Any = None, host: str = "sim-0", bus: InprocBus | None = None,
+                       on_batches: Any = None) -> RunResult:
     """One deterministic run; ``guarded`` closes the loop (policy + actuators). Node ids are
     ``<host>/gpu<i>``; the guarded run records in the graph's budget and SLO ledgers (in memory
-    when the graph has none)."""
+    when the graph has none). ``bus``: the in-process bus to carry the records (a new one by
+    default); ``on_batches(batches)`` sees each tick's event batches."""
 
     settings = graph.settings
     topics = settings.topics
-    bus = InprocBus.from_settings(settings)
+    bus = bus if bus is not None else InprocBus.from_settings(settings)
     fleet = graph.fleet(n_gpus, seed=seed, host=host)
     fleet.submit_workload(workload)
     engines = {e.node: e for e in fleet.engines}
@@ -86,6 +88,8 @@ async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: fl
         t = min(t + tick_ns, end_ns)
         fleet.advance(t)
         batches = fleet.take_batches(t)
+        if on_batches is not None:
+            on_batches(batches)
         if slo is not None:
             slo.observe_batches(batches)
         ticks, alerts = core.process_many(batches)

@@ -17,6 +17,7 @@ from typing import Any
 from aiokafka.admin import AIOKafkaAdminClient
 
 from kvguard.bus.kafka import client_kwargs, create_topics
+from kvguard.contracts.tick import Tick
 from kvguard.runtime.bootstrap import make_bus
 from kvguard.runtime.embedded import RunResult
 from kvguard.runtime.node import run_node
@@ -53,12 +54,12 @@ async def run_over_bus(graph: Any, workload: Any, *, bus: str, n_gpus: int, dura
         handle = service.handle_tick
         last_ts = {"ns": 0}
 
-        def observe(tick: dict):
-            result.series.setdefault(tick["node"], []).append(
-                (tick["ts_ns"] / 1e9, tick["u_kv"], tick["f_ext"], tick["psi"], tick.get("p_oom")))
-            if tick.get("ooms"):
-                result.oom_times.setdefault(tick["node"], []).append(tick["ts_ns"] / 1e9)
-            last_ts["ns"] = max(last_ts["ns"], int(tick["ts_ns"]))
+        def observe(tick: Tick):
+            result.series.setdefault(tick.node, []).append(
+                (tick.ts_ns / 1e9, tick.u_kv, tick.f_ext, tick.psi, tick.p_oom))
+            if tick.ooms:
+                result.oom_times.setdefault(tick.node, []).append(tick.ts_ns / 1e9)
+            last_ts["ns"] = max(last_ts["ns"], tick.ts_ns)
             return handle(tick)
 
         service.handle_tick = observe

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import uuid
+from dataclasses import fields as dataclass_fields
 from datetime import datetime, timezone
 from typing import Annotated, Any
 
@@ -29,6 +30,8 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator
 
 from kvguard.contracts.events import COLUMNS, EVENT_DTYPE, EventBatch, Geometry, PoolState
+from kvguard.contracts.tick import SINCE_OOM_CAP_S, Tick
+from kvguard.contracts.tick import Candidate as TickCandidate
 
 SCHEMA_VERSION = "1.0"
 SUPPORTED_MAJOR = 1
@@ -277,7 +280,7 @@ class MetricTick(WireModel):
     arrivals: int = 0
     largest_free_run_units: int = 0
     free_units: int = 0
-    # the streams Tick's other fields (streams.metrics.Tick), carried so readers can rebuild it
+    # the core Tick's other fields (kvguard.contracts.tick.Tick), carried so readers can rebuild it
     tick_s: float = 0.0
     synced: bool = True
     live_units: int = 0
@@ -303,6 +306,15 @@ class MetricTick(WireModel):
     p_oom: float | None = None
     u_kv_forecast: list[float] | None = None
     candidates: list[Candidate] = Field(default_factory=list)
+    requests_waiting: int = 0
+    s_since_oom: float = SINCE_OOM_CAP_S
+
+    def to_tick(self) -> Tick:
+        """The core's tick from this validated record: fields the record does not carry take the
+        wire defaults, fields the core does not know are dropped."""
+        values = {f.name: getattr(self, f.name) for f in dataclass_fields(Tick) if f.name in type(self).model_fields}
+        values["candidates"] = [TickCandidate(**c.model_dump()) for c in self.candidates]
+        return Tick(**values)
 
 
 class Alert(WireModel):

@@ -39,6 +39,7 @@ async def test_embedded_service_log_replay_and_faust_give_identical_records(kafk
     records = await sub.getmany(100_000, 0.1)
     inproc_ticks = [r.value for r in records if r.topic.endswith("metrics")]
     inproc_alerts = [r.value for r in records if r.topic.endswith("alerts")]
+    inproc_ids = sorted(dict(r.headers)["ce_id"] for r in records)
 
     # 3. the Faust worker on the real broker
     worker = WorkerProcess(kafka_settings, f"kvg-{uuid.uuid4().hex[:8]}", tmp_path)
@@ -58,4 +59,7 @@ async def test_embedded_service_log_replay_and_faust_give_identical_records(kafk
     assert sorted(replay_ticks) == sorted(inproc_ticks)  # byte-identical values
     assert duplicates == 0
     assert alert_set(replay_alerts) == alert_set(inproc_alerts) == alert_set(r.value for r in out.of("alerts"))
+    # the same records under the same CloudEvents ids (consumers deduplicate by id)
+    faust_ids = sorted(dict(r.headers)["ce_id"] for r in out.of("metrics") + out.of("alerts"))
+    assert inproc_ids == faust_ids
     assert replay_alerts, "the log should raise alerts"

@@ -2,9 +2,9 @@
 
 from dataclasses import replace
 
+from kvguard.contracts.tick import Tick
 from kvguard.contracts.units import NS_PER_S
 from kvguard.streams.alerts import FIRING, RESOLVED, AlertEvaluator, AlertThresholds, default_rules, fingerprint
-from kvguard.streams.metrics import Tick
 
 
 def tick(ts_s: float, u_kv=0.5, f_ext=0.1, psi=0.5, slope=0.0, p_oom=None, synced=True, node="n") -> Tick:

@@ -5,6 +5,7 @@ from dataclasses import replace
 from kvguard.contracts.commands import Mode
 from kvguard.policy.modes import ModeConfig, ModeTracker
 from kvguard.policy.planner import NodeView
+from kvguard.wire.schemas import MetricTick
 
 S = 1_000_000_000
 
@@ -81,7 +82,7 @@ def test_mode_changes_are_published_as_alerts_by_the_service():
         for i, ooms in enumerate([0, 1]):
             tick = {"node": "n", "ts_ns": (i + 1) * 10 * S, "tick_s": 10.0, "u_kv": 0.6, "f_ext": 0.7,
                     "f_int": 0.0, "psi": 0.9, "free_units": 300, "largest_free_run_units": 100, "ooms": ooms}
-            await service.publish(service.handle_tick(tick))
+            await service.publish(service.handle_tick(MetricTick.model_validate(tick).to_tick()))
         sub = bus.subscribe([settings.topics.name("alerts")], "t")
         return [orjson.loads(r.value) for r in await sub.getmany(timeout_s=0)]
 
@@ -162,8 +163,9 @@ def test_slo_recorder_writes_predictions_oom_lead_times_evictions_and_their_outc
     slo = SloRecorder(ledger, threshold=0.5, horizon_s=30.0, confirm_with_acks=True)
 
     def tick(t, u_kv, p_oom, ooms=0, f_ext=0.1, slope=0.0):
-        return {"node": "n", "ts_ns": t * S, "u_kv": u_kv, "psi": u_kv, "f_ext": f_ext, "slope_per_min": slope,
-                "p_oom": p_oom, "ooms": ooms}
+        return MetricTick.model_validate({"node": "n", "ts_ns": t * S, "u_kv": u_kv, "psi": u_kv, "f_ext": f_ext,
+                                          "f_int": 0.0, "slope_per_min": slope, "p_oom": p_oom,
+                                          "ooms": ooms}).to_tick()
 
     for t, u, p in ((10, 0.5, 0.1), (20, 0.95, 0.7), (30, 0.97, 0.9)):
         slo.observe_tick(tick(t, u, p, slope=0.2 if t >= 30 else 0.0))

@@ -152,13 +152,13 @@ def test_short_free_space_reclaims_cached_pages_first():
     assert p.victims == ()
 
 
-def test_view_from_a_tick_like_mapping():
+def test_view_from_a_tick_record():
     tick = {"node": "n", "ts_ns": 5, "u_kv": 0.8, "f_ext": 0.3, "f_int": 0.1, "psi": 0.9,
             "dynamic_units": 100, "free_units": 20, "largest_free_run_units": 10, "cached_units": 3,
             "p_oom": 0.7, "u_kv_forecast": [0.8, 0.85],
             "candidates": [{"req": 4, "priority": 5, "units": 8, "tokens": 32, "prompt_tokens": 20,
                             "last_ts_ns": 1, "shared_units": 2, "pages": 2}]}
-    v = view_from_tick(tick)
+    v = view_from_tick(MetricTick.model_validate(tick).to_tick())
     assert v.dynamic_units == 100 and v.p_oom == 0.7 and v.u_kv_forecast == (0.8, 0.85)
     assert v.candidates[0].generated_tokens == 12 and v.candidates[0].freeable_units == 6
 
@@ -264,6 +264,7 @@ def test_low_fragmentation_budget_makes_compaction_kick_in_earlier():
 # -- the fragmentation trigger read on the workspace need, and the prompt-sized admission hold -------
 
 from kvguard.policy.planner import compaction_moves, compaction_run_units  # noqa: E402
+from kvguard.wire.schemas import MetricTick
 
 
 def test_compaction_when_the_largest_run_is_under_the_safety_multiple_and_free_space_suffices():
@@ -324,13 +325,14 @@ def test_calm_ticks_release_the_strategys_hold_but_keep_the_prompt_sized_part():
     assert holds == [[], [2000 - 600], []] and 2000 - 600 < strategy_hold
 
 
-def tick_record(ts_s, epoch, **changes) -> dict:
-    """A tick as it arrives from the bus (a mapping), with its producer epoch."""
+def tick_record(ts_s, epoch, **changes):
+    """A tick as it arrives from the bus (a validated record), with its producer epoch."""
     from dataclasses import asdict, fields
 
     v = busy(ts_s=ts_s, **changes)
     d = {f.name: getattr(v, f.name) for f in fields(NodeView) if f.name != "candidates"}
-    return {**d, "epoch": epoch, "candidates": [asdict(c) for c in v.candidates]}
+    candidates = [{**asdict(c), "priority": -1 if c.priority is None else c.priority} for c in v.candidates]
+    return MetricTick.model_validate({**d, "epoch": epoch, "candidates": candidates}).to_tick()
 
 
 def test_a_restarted_node_newer_epoch_is_decided_on_from_its_new_clock():

@@ -5,9 +5,10 @@ import pytest
 
 from kvguard.contracts.events import EventBatch
 from kvguard.contracts.events import EventKind as K
+from kvguard.contracts.tick import Tick
 from kvguard.contracts.units import NS_PER_S
 from kvguard.streams.core import NodeState, StreamConfig, StreamConfigError, StreamCore
-from kvguard.streams.metrics import FEATURE_NAMES, Tick
+from kvguard.streams.metrics import FEATURE_NAMES
 from kvguard.streams.predictor import PredictorMismatch
 from tests.unit.streams_refpool import RefPool, batches_of, small_geometry
 

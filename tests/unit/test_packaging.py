@@ -1,0 +1,21 @@
+"""The installed distribution exposes one import name, ``kvguard`` (docs/ARCHITECTURE.md, "Layers")."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_wheel_installs_only_the_kvguard_namespace_with_its_data(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT),
+                    "-w", str(tmp_path)], check=True, capture_output=True, cwd=tmp_path)
+    wheel = next(tmp_path.glob("kvguard-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"kvguard", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1]
+                                                 + ".dist-info"}
+    for module in ("kvguard/policy/engine.py", "kvguard/producers/pool.py", "kvguard/streams/core.py",
+                   "kvguard/actuators/actuator.py", "kvguard/producers/profiles.json",
+                   "kvguard/streams/models/oom_lstm.pt", "kvguard/producers/data/azure_llm_2023_conv.csv.gz"):
+        assert module in names, module
