@@ -7,6 +7,7 @@ from kvguard.cli import (  # noqa: F401  (each module registers its commands on 
     demo,
     evaluate,
     export,
+    inspect,
     metrics,
     node,
     policy,

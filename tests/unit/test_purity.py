@@ -9,7 +9,8 @@ PURE = ["kvguard.contracts.events", "kvguard.contracts.pressure", "kvguard.wire.
         "kvguard.producers.profiles",
         "kvguard.streams.mirror", "kvguard.streams.metrics", "kvguard.streams.alerts", "kvguard.streams.core", "kvguard.streams.predictor",
         "kvguard.policy.strategy", "kvguard.policy.modes", "kvguard.policy.planner", "kvguard.policy.engine", "kvguard.contracts.commands", "kvguard.policy.budget",
-        "kvguard.policy.slo", "kvguard.actuators.executor"]
+        "kvguard.policy.slo", "kvguard.actuators.executor", "kvguard.producers.caching_allocator",
+        "kvguard.producers.torch_snapshot", "kvguard.producers.step_memory"]
 FORBIDDEN = ["faust", "aiokafka", "redis", "pydantic"]
 
 
