@@ -219,6 +219,14 @@ class CachingAllocator:
     def reserved_bytes(self) -> int:
         return self._stats["reserved_bytes"][0]
 
+    def segments(self) -> dict[int, tuple[int, bool, int]]:
+        """Reserved segments: address -> (size, small pool?, stream)."""
+        return {a: (seg.size, seg.pool.is_small, seg.stream) for a, seg in self._segments.items()}
+
+    def active_blocks(self) -> dict[int, tuple[int, int, int]]:
+        """Allocated (or pending-free) blocks: address -> (size, requested size, segment address)."""
+        return {a: (b.size, b.requested_size, b.segment.address) for a, b in self._active.items()}
+
     def largest_free_cached_block(self) -> int:
         """Size of the largest free block in the cache (cacheInfo without the driver's free memory)."""
         best = 0

@@ -16,6 +16,18 @@ unsynced until the next SNAPSHOT with state. A node's first batch with ``seq == 
 empty pool (synced). A newer ``epoch`` is a producer restart (its simulated or engine clock may
 start over): the node starts over as if first seen, with a fresh mirror, tick clock, slope window,
 feature history and predictor state, its alert timers rebased (counted in ``NodeState.restarts``).
+
+Hostile or broken input (``process_many``): each node's batches of one call are put in
+``(epoch, seq)`` order and redeliveries dropped before anything is applied, so a duplicated batch,
+or batches reordered within one call, give the ticks of the clean stream. A batch is rejected,
+before any state changes, when it fails ``kvguard.wire.validate.check_batch`` against the
+node's region, or when its epoch jumps more than ``max_epoch_jump`` past the node's (one record
+with epoch 2^62 would otherwise make every later batch of the node "older", silencing it for
+good). A batch whose application raises is rejected too, and its node marked unsynced (its state
+may be partly applied; the next SNAPSHOT with state repairs it). Rejections are counted, logged
+and listed in ``StreamCore.rejected`` (the latest call's) for the caller's DLQ. Per-node state
+is capped at ``max_nodes`` (the least recently seen node is evicted first); idle nodes are
+evicted by the caller's clock through ``forget`` (wall time: event time differs per node).
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ from kvguard.streams.alerts import Alert, AlertEvaluator, AlertThresholds, defau
 from kvguard.streams.metrics import least_squares_slope, percentiles, tick_features
 from kvguard.streams.mirror import AllocatorMirror
 from kvguard.streams.predictor import DEFAULT_WINDOW_TICKS, FeatureHistory, Predictor, check_predictor
+from kvguard.wire.validate import DEFAULT_LIMITS, InvalidRecord, WireLimits, check_batch
 
 log = logging.getLogger(__name__)
 K = EventKind
@@ -61,6 +74,11 @@ class StreamConfig:
     max_candidates: int = 32
     window_ticks: int = DEFAULT_WINDOW_TICKS
     max_idle_ticks: int = 360
+    # a newer epoch more than this far ahead of the node's is rejected, not taken as a restart;
+    # 2^61 lets a seed epoch (0, 1, …) move on to a wall-clock one (time.time_ns())
+    max_epoch_jump: int = 1 << 61
+    max_nodes: int = 10_000  # per-node states held; past it the least recently seen is evicted
+    limits: WireLimits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
         if not self.tick_s > 0:
@@ -75,6 +93,10 @@ class StreamConfig:
             raise StreamConfigError("window_ticks", self.window_ticks, "> 0")
         if self.max_idle_ticks <= 0:
             raise StreamConfigError("max_idle_ticks", self.max_idle_ticks, "> 0")
+        if self.max_epoch_jump < 1:
+            raise StreamConfigError("max_epoch_jump", self.max_epoch_jump, ">= 1")
+        if self.max_nodes < 1:
+            raise StreamConfigError("max_nodes", self.max_nodes, ">= 1")
 
     @property
     def tick_ns(self) -> int:
@@ -93,6 +115,10 @@ class StreamConfig:
         values = dict(tick_s=streams.tick_s, slope_window_s=streams.slope_window_s, alpha=streams.alpha,
                       beta=streams.beta, thresholds=thresholds,
                       reserved_frac=streams.reserved_frac if "reserved_frac" in explicit else None)
+        for name in ("max_epoch_jump", "max_nodes"):
+            if hasattr(streams, name):
+                values[name] = getattr(streams, name)
+        values["limits"] = WireLimits.from_settings(streams)
         values.update(overrides)
         return cls(**values)
 
@@ -114,6 +140,13 @@ class Counts(NamedTuple):
     decode_tokens: int
     evicted_tokens: int
     evicted_requests: int
+    alloc_retries: int
+
+    @classmethod
+    def of(cls, values: list[int]) -> "Counts":
+        """From a checkpoint's list; counters added since it was written start at 0."""
+        values = [int(x) for x in values]
+        return cls(*(values + [0] * (len(cls._fields) - len(values))))
 
     @classmethod
     def zero(cls) -> "Counts":
@@ -275,7 +308,7 @@ class NodeState:
         kc = m.kind_counts
         return Counts(int(kc[K.ARRIVE]), int(kc[K.FINISH]), int(kc[K.ALLOC_FAIL]), int(kc[K.EVICT]),
                       int(kc[K.PREEMPT]), int(kc[K.OOM]), int(m.step_tokens_total), int(m.decode_tokens_total),
-                      int(m.evicted_tokens_total), int(m.evicted_requests_total))
+                      int(m.evicted_tokens_total), int(m.evicted_requests_total), int(kc[K.ALLOC_RETRY]))
 
     def _make_tick(self, ts_ns: int) -> Tick:
         cfg = self.config
@@ -302,9 +335,17 @@ class NodeState:
         waiting = int(np.count_nonzero(table.waiting & ~holding))
         since_oom = SINCE_OOM_CAP_S if self.last_oom_ns is None else min(
             SINCE_OOM_CAP_S, max(0.0, (ts_ns - self.last_oom_ns) / NS_PER_S))
+        f_ext, psi = pm.f_ext, pm.psi
+        if max(g.page_classes) == 1 and not m.kind_counts[K.WS_ALLOC]:
+            # uniform blocks (vLLM): any free block serves any request, so the KV layer has no
+            # external fragmentation; the allocator layer's is alloc_f_ext
+            f_ext = 0.0
+            psi = pressure.psi(pm.live_units, pm.workspace_units, m.units, 0.0, pm.f_int, m.reserved_frac,
+                               cfg.alpha, cfg.beta)
+        am = m.allocator.metrics()
         tick = Tick(
             node=self.node, ts_ns=ts_ns, epoch=self.epoch or 0, tick_s=cfg.tick_s, synced=m.synced,
-            u_kv=pm.u_kv, f_ext=pm.f_ext, f_int=pm.f_int, psi=pm.psi, slope_per_min=slope,
+            u_kv=pm.u_kv, f_ext=f_ext, f_int=pm.f_int, psi=psi, slope_per_min=slope,
             live_units=pm.live_units, cached_units=pm.cached_units, retained_units=pm.retained_units,
             workspace_units=pm.workspace_units, free_units=pm.free_units,
             largest_free_run_units=pm.largest_free_run, n_free_runs=pm.n_free_runs,
@@ -324,6 +365,11 @@ class NodeState:
             ooms=d.ooms, tokens_per_s=d.step_tokens / cfg.tick_s, decode_tokens_per_s=d.decode_tokens / cfg.tick_s,
             events=events,
             candidates=self._candidates(table, holding), requests_waiting=waiting, s_since_oom=since_oom,
+            alloc_reserved_bytes=am.reserved_bytes, alloc_allocated_bytes=am.allocated_bytes,
+            alloc_inactive_split_bytes=am.inactive_split_bytes, alloc_largest_free_block_bytes=am.largest_free_block_bytes,
+            alloc_f_ext=am.f_ext, alloc_segments=am.segments, alloc_retries=d.alloc_retries,
+            util_activation=am.allocated_bytes / total,
+            util_reserved_unused=(am.reserved_bytes - am.allocated_bytes) / total,
         )
         self.features.push(tick_features(tick))
         if len(table.req) > 4096:
@@ -395,7 +441,7 @@ class NodeState:
             st.features.buffer[:] = arrays["features"]
             st.features.count = int(h["features_count"])
         st.alerts.load_state_list(h["alerts"])
-        st._mark = Counts(*(int(x) for x in h["mark"]))
+        st._mark = Counts.of(h["mark"])
         st.events_since_tick = h["events_since_tick"]
         st.duplicates, st.gaps = h["duplicates"], h["gaps"]
         st.skipped_ticks, st.dropped_without_geometry = h["skipped_ticks"], h["dropped_without_geometry"]
@@ -409,9 +455,32 @@ class NodeState:
         return st
 
 
+class Rejection(NamedTuple):
+    """A batch the core did not apply: ``reason`` is a DLQ reason (``invalid``, ``processing_error``)."""
+
+    batch: EventBatch
+    reason: str
+    detail: str
+
+
+@dataclass(slots=True)
+class CoreCounters:
+    batches_rejected: int = 0  # failed validation against the node's region (before any state change)
+    epoch_jumps_rejected: int = 0  # epoch more than max_epoch_jump ahead of the node's
+    batches_failed: int = 0  # applying them raised; the node was marked unsynced
+    duplicates_dropped: int = 0  # redeliveries dropped before they were applied
+    nodes_evicted_cap: int = 0  # the least recently seen node, to stay within max_nodes
+    nodes_evicted_idle: int = 0  # idle past the caller's timeout (``forget``)
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
 class StreamCore:
     """Per-node stream state for every node it sees; ``process``/``process_many`` return the ticks
-    and alerts the batches cause, in order per node."""
+    and alerts the batches cause, in order per node. ``rejected`` lists the batches of the latest
+    call that were not applied, ``evicted`` the nodes it evicted (both for the caller's DLQ and
+    bookkeeping)."""
 
     def __init__(self, config: StreamConfig | None = None, predictor: Predictor | None = None, *,
                  stateful: bool | None = None):
@@ -431,13 +500,37 @@ class StreamCore:
             if predictor.window_ticks > self.config.window_ticks:
                 raise StreamConfigError("window_ticks", self.config.window_ticks,
                                         f">= the predictor's window_ticks ({predictor.window_ticks})")
-        self.nodes: dict[str, NodeState] = {}
+        self.nodes: dict[str, NodeState] = {}  # least recently seen first
+        self.counters = CoreCounters()
+        self.rejected: list[Rejection] = []
+        self.evicted: list[str] = []
 
     def node_state(self, node: str) -> NodeState:
-        st = self.nodes.get(node)
+        """The node's state (new if unknown), now the most recently seen; evicts the least
+        recently seen nodes past ``max_nodes``."""
+        st = self.nodes.pop(node, None)
         if st is None:
-            st = self.nodes[node] = NodeState(node, self.config, with_predictor=self.predictor is not None)
+            st = NodeState(node, self.config, with_predictor=self.predictor is not None)
+        self.nodes[node] = st
+        while len(self.nodes) > self.config.max_nodes:
+            self.forget(next(iter(self.nodes)), idle=False)
         return st
+
+    def forget(self, node: str, *, idle: bool = True) -> bool:
+        """Drop a node's state (idle: the caller's timeout passed; else the cap). Its next batch
+        starts it over (unsynced unless ``seq == 0``). False when the node was not held."""
+        st = self.nodes.pop(node, None)
+        if st is None:
+            return False
+        if self._primed.pop(node, None) is not None:
+            self.predictor.forget(node)
+        if idle:
+            self.counters.nodes_evicted_idle += 1
+        else:
+            self.counters.nodes_evicted_cap += 1
+        self.evicted.append(node)
+        log.info("node %s: state evicted (%s)", node, "idle" if idle else f"more than {self.config.max_nodes} nodes")
+        return True
 
     def process(self, batch: EventBatch) -> tuple[list[Tick], list[Alert]]:
         return self.process_many([batch])
@@ -447,7 +540,12 @@ class StreamCore:
         the rules. Contiguous batches of a node (same epoch, consecutive seq, no state before the
         last) are concatenated and applied at once, which gives the same ticks (the core does not
         depend on batching) at a fraction of the per-batch cost. Ticks come grouped by node, nodes
-        in order of first appearance."""
+        in order of first appearance.
+
+        A node's batches are first put in ``(epoch, seq)`` order, redeliveries dropped, and those
+        that fail validation or jump too far in epoch rejected (``_admit``); a group whose
+        application raises is rejected as well. ``self.rejected`` lists what this call rejected."""
+        self.rejected, self.evicted = [], []
         by_node: dict[str, list[EventBatch]] = {}
         for batch in batches:
             by_node.setdefault(batch.node, []).append(batch)
@@ -455,17 +553,69 @@ class StreamCore:
         for node, node_batches in by_node.items():
             st = self.node_state(node)
             current = st.mirror.geometry if st.mirror is not None else None
-            for group in _contiguous_groups(node_batches, current):
-                if len(group) == 1:
-                    ticks = st.accept(group[0])
-                else:
-                    first, last = group[0], group[-1]
-                    merged = EventBatch(node=node, seq=first.seq, epoch=first.epoch, geometry=first.geometry,
-                                        state=last.state, events=np.concatenate([b.events for b in group]))
-                    ticks = st.accept(merged, last_seq=last.seq)
+            for group in _contiguous_groups(self._admit(st, node_batches), current):
+                try:
+                    if len(group) == 1:
+                        ticks = st.accept(group[0])
+                    else:
+                        first, last = group[0], group[-1]
+                        merged = EventBatch(node=node, seq=first.seq, epoch=first.epoch, geometry=first.geometry,
+                                            state=last.state, events=np.concatenate([b.events for b in group]))
+                        ticks = st.accept(merged, last_seq=last.seq)
+                except Exception as err:  # noqa: BLE001 - one node's bad input must not stop the others
+                    self._failed(st, group, err)
+                    continue
                 for i, tick in enumerate(ticks):
                     produced.append((st, tick, self._window(st, len(ticks) - 1 - i)))
         return self._finish(produced)
+
+    def _admit(self, st: NodeState, batches: list[EventBatch]) -> list[EventBatch]:
+        """The node's batches to apply, in ``(epoch, seq)`` order: redeliveries (at or before the
+        node's position, or repeated within the call) are dropped and counted as duplicates;
+        batches failing ``check_batch`` against the node's region, or whose epoch jumps past
+        ``max_epoch_jump``, are rejected. Nothing of the node's state changes here."""
+        if len(batches) > 1:
+            batches = sorted(batches, key=lambda b: (b.epoch, b.seq))
+        epoch, seq = st.epoch, st.seq
+        geometry = st.mirror.geometry if st.mirror is not None else None
+        admitted = []
+        for b in batches:
+            if epoch is not None and (b.epoch < epoch or (b.epoch == epoch and b.seq <= seq)):
+                st.duplicates += 1
+                self.counters.duplicates_dropped += 1
+                continue
+            if epoch is not None and b.epoch - epoch > self.config.max_epoch_jump:
+                self.counters.epoch_jumps_rejected += 1
+                self._reject(b, f"epoch {b.epoch} is {b.epoch - epoch} past the node's epoch {epoch}, more than "
+                                f"streams.max_epoch_jump ({self.config.max_epoch_jump}): not taken as a restart")
+                continue
+            region = b.geometry or geometry
+            try:
+                check_batch(b, self.config.limits, None if geometry is None else geometry.dynamic_units)
+            except InvalidRecord as err:
+                self._reject(b, err.detail)
+                continue
+            admitted.append(b)
+            epoch, seq, geometry = b.epoch, b.seq, region
+        return admitted
+
+    def _reject(self, batch: EventBatch, detail: str, reason: str = "invalid") -> None:
+        self.counters.batches_rejected += reason == "invalid"
+        self.rejected.append(Rejection(batch, reason, detail))
+        log.warning("node %s: batch epoch %d seq %d rejected (%s): %s", batch.node, batch.epoch, batch.seq,
+                    reason, detail)
+
+    def _failed(self, st: NodeState, group: list[EventBatch], err: Exception) -> None:
+        """Applying ``group`` raised: its batches are rejected, the node's state may be partly
+        applied, so it is unsynced until its next SNAPSHOT with state."""
+        self.counters.batches_failed += len(group)
+        detail = f"{type(err).__name__}: {err}"
+        log.error("node %s: applying seq %d..%d raised %s", st.node, group[0].seq, group[-1].seq, detail,
+                  exc_info=err)
+        if st.mirror is not None:
+            st._unsynced(f"node {st.node}: applying a batch raised {type(err).__name__}")
+        for b in group:
+            self._reject(b, detail, reason="processing_error")
 
     def flush(self, now_ns: int) -> tuple[list[Tick], list[Alert]]:
         """Emit due ticks of every node up to ``now_ns`` (event time of the caller's choosing)."""

@@ -20,6 +20,7 @@ consistent event stream the mirror's values equal the pool's bit for bit.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ import numpy as np
 
 from kvguard.contracts import pressure
 from kvguard.contracts.events import (
+    ALLOCATOR_KINDS,
     EVENT_DTYPE,
     F_TO_CACHE,
     EventKind,
@@ -37,6 +39,7 @@ from kvguard.contracts.events import (
     free_runs_checksum,
 )
 from kvguard.contracts.units import DEFAULT_PRIORITY
+from kvguard.streams.allocator_layer import AllocatorLayer
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,8 @@ LIFE_WAITING, LIFE_RUNNING, LIFE_FINISHED = 0, 1, 2
 _LIFE = _table({K.ARRIVE: LIFE_WAITING, K.ADMIT: LIFE_RUNNING, K.PREEMPT: LIFE_WAITING,
                 K.FINISH: LIFE_FINISHED}, default=-1)
 _BARRIERS = _table({K.RESET: 1, K.MIGRATE: 1, K.SNAPSHOT: 1}, dtype=bool)
+# Rows of the caching-allocator layer (bytes and device addresses, not KV units).
+_ALLOCATOR_LAYER = _table({k: 1 for k in ALLOCATOR_KINDS}, dtype=bool)
 
 _ARRIVE, _SHARE, _FREE, _EVICT, _STEP = int(K.ARRIVE), int(K.SHARE), int(K.FREE), int(K.EVICT), int(K.STEP)
 _MIGRATE, _RESET, _SNAPSHOT = int(K.MIGRATE), int(K.RESET), int(K.SNAPSHOT)
@@ -175,6 +180,7 @@ class AllocatorMirror:
         self.unsynced_count = 0
         self.snapshot_checks = 0
         self._metrics_cache: MirrorMetrics | None = None
+        self.allocator = AllocatorLayer()  # the caching-allocator layer (SEG_*/BLK_* rows)
 
     # ------------------------------------------------------------------ writing
     def apply(self, events: np.ndarray, state: PoolState | None = None) -> None:
@@ -241,6 +247,13 @@ class AllocatorMirror:
         self.resync_count += 1
 
     def _apply_plain(self, ev: np.ndarray) -> None:
+        layer_rows = _ALLOCATOR_LAYER[ev["kind"]]
+        if layer_rows.any():
+            self.kind_counts += np.bincount(ev["kind"][layer_rows].astype(np.intp), minlength=_N_KINDS)
+            self.allocator.apply(ev[layer_rows])
+            ev = ev[~layer_rows]
+            if len(ev) == 0:
+                return
         kind = ev["kind"].astype(np.intp)
         off = ev["offset"]
         size = ev["size"]
@@ -414,6 +427,7 @@ class AllocatorMirror:
             self._refs = np.sort(keys)
 
     def _reset(self) -> None:
+        self.allocator.reset()
         self.run_size[:] = 0
         self.run_state[:] = STATE_FREE
         self.refcount[:] = 0
@@ -533,6 +547,7 @@ class AllocatorMirror:
             "req": self._req[:n], "req_priority": self._priority[:n], "req_prompt": self._prompt[:n],
             "req_arrival": self._arrival[:n], "req_last_ts": self._last_ts[:n], "req_life": self._life[:n],
             "kind_counts": self.kind_counts.copy(), "scalars": scalars,
+            "allocator": np.frombuffer(json.dumps(self.allocator.to_dict()).encode(), dtype=np.uint8),
         }
 
     @classmethod
@@ -554,6 +569,8 @@ class AllocatorMirror:
                             count=arrays["ref_req"].size)
         m._refs = np.sort(slots * m.units + arrays["ref_offset"])
         m.kind_counts[:] = arrays["kind_counts"]
+        if "allocator" in arrays:  # checkpoints from before the allocator layer have none
+            m.allocator = AllocatorLayer.from_dict(json.loads(arrays["allocator"].tobytes().decode()))
         (m.tokens_stored, synced, m.drift_count, m.resync_count, m.unsynced_count, m.snapshot_checks,
          m.step_tokens_total, m.decode_tokens_total, m.evicted_tokens_total, m.evicted_requests_total,
          last_ts) = (int(x) for x in arrays["scalars"])

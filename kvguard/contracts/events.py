@@ -37,14 +37,32 @@ WS_ALLOC      -      buffer run             batched tokens       workspace buffe
 WS_FREE       -      buffer run             -                    -
 ALLOC_FAIL    req    -/requested units      -                    aux=largest free run at that moment, cls=class
 OOM           req    -/requested units      -                    aux=largest free run; the engine crashed
+                                                                   (cls=OomLayer, flags=OomCause; allocator: below)
 RESET         -      -/-                    -                    every run is free again (after an OOM restart)
 STEP          -      -/batched tokens       decode tokens        aux=step duration ns; one per engine step
 SNAPSHOT      -      largest run/#free runs tokens stored        aux=free_runs_checksum(); the batch carries the
                                                                    full state (``PoolState``) for resync
+SEG_ALLOC     -      segment addr/bytes     -                    cls=Pool, flags=stream; the caching allocator
+                                                                   reserved a segment (cudaMalloc)
+SEG_FREE      -      segment addr/bytes     -                    cls=Pool; a segment went back to the device
+                                                                   (empty_cache, or release-and-retry)
+BLK_ALLOC     -      block addr/bytes       requested bytes      cls=Pool, aux=segment addr; a block that outlives
+                                                                   the engine step that allocated it
+BLK_FREE      -      block addr/bytes       -                    cls=Pool, aux=segment addr; such a block freed
+ALLOC_RETRY   -      -/-                    -                    a malloc found no cached block and no device
+                                                                   memory: cached blocks were released, retried
 ============  =====  ======================================================================
 
-Units are the allocator's unit (``Geometry.unit_tokens`` tokens of KV). Every offset is in
+Units are the KV pool's unit (``Geometry.unit_tokens`` tokens of KV). Every KV offset is in
 units from the start of the dynamic region D. ``ts_ns`` is event time, passed in by the caller.
+
+The caching-allocator rows (SEG_* and BLK_*, ALLOC_RETRY; PyTorch's CUDACachingAllocator as
+twinned by ``kvguard.producers.caching_allocator``) are in bytes and device addresses. They are
+emitted at engine-step granularity: a block allocated and freed within one step (activations,
+workspaces, sampler logits) produces no row, so the rows rebuild the allocator's state exactly
+at every step boundary, while every segment the step's peak needed appears as SEG_ALLOC. An OOM
+of the allocator layer is an OOM row with ``cls=OomLayer.ALLOCATOR``, ``size`` the requested
+bytes, ``aux`` the reserved-but-unallocated bytes, and ``flags`` its ``OomCause``.
 """
 
 from __future__ import annotations
@@ -78,6 +96,37 @@ class EventKind(IntEnum):
     RESET = 20
     STEP = 21
     SNAPSHOT = 22
+    SEG_ALLOC = 23
+    SEG_FREE = 24
+    BLK_ALLOC = 25
+    BLK_FREE = 26
+    ALLOC_RETRY = 27
+
+
+ALLOCATOR_KINDS = (EventKind.SEG_ALLOC, EventKind.SEG_FREE, EventKind.BLK_ALLOC, EventKind.BLK_FREE,
+                   EventKind.ALLOC_RETRY)
+
+
+class Pool(IntEnum):
+    """SEG_*/BLK_* ``cls``: the caching allocator's pool (blocks ≤ 1 MiB are small)."""
+
+    SMALL = 0
+    LARGE = 1
+
+
+class OomLayer(IntEnum):
+    """OOM ``cls``: which layer could not allocate."""
+
+    KV_ARENA = 0  # a page or workspace run of the KV arena (the seed's alternative profiles)
+    ALLOCATOR = 1  # the caching allocator (the vLLM-faithful profiles): a CUDA OOM
+
+
+class OomCause(IntEnum):
+    """OOM ``flags``: why the allocation failed."""
+
+    OTHER = 0
+    PEAK = 1  # the request exceeds what the device has left even after releasing every cached block
+    FRAGMENTATION = 2  # reserved-but-unallocated bytes would have covered the request
 
 
 class Outcome(IntEnum):

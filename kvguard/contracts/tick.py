@@ -42,6 +42,8 @@ class Tick:
     and the headroom outside D (M·(1−u)). ``reserved_frac`` is the share of D Ψ treats as reserved
     (``util_reserved`` the same as a fraction of M; it overlaps the free units, not in the sum).
     ``synced`` is False while the mirror may have missed events (values are best effort then).
+    On uniform-block KV pools (one unit per block, no workspace in the arena) F_ext of the KV layer
+    is 0: any free block serves any request; fragmentation lives in the allocator (``alloc_*``).
     """
 
     node: str
@@ -93,6 +95,18 @@ class Tick:
     requests_waiting: int = 0  # arrived, not admitted (or preempted back), not finished, at ts_ns
     s_since_oom: float = SINCE_OOM_CAP_S  # seconds since the node's last OOM before ts_ns, capped
     epoch: int = 0  # the producer run the tick belongs to: ts_ns orders ticks only within one epoch
+    # the caching-allocator layer (PyTorch's names; bytes), on nodes that report it (0 elsewhere)
+    alloc_reserved_bytes: int = 0
+    alloc_allocated_bytes: int = 0
+    alloc_inactive_split_bytes: int = 0  # free blocks in segments that still hold an allocated block
+    alloc_largest_free_block_bytes: int = 0
+    alloc_f_ext: float = 0.0  # 1 - largest cached free block / cached free bytes
+    alloc_segments: int = 0
+    alloc_retries: int = 0  # in the interval: cached blocks were released and a malloc retried
+    # the seed's utilization split, fractions of M: weights (util_weights), activation (allocated
+    # non-KV bytes), kv (util_kv_live + util_kv_cached), reserved_but_unused (reserved - allocated)
+    util_activation: float = 0.0
+    util_reserved_unused: float = 0.0
 
     @property
     def ts_s(self) -> float:

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationErr
 from kvguard.contracts.events import COLUMNS, EVENT_DTYPE, EventBatch, Geometry, PoolState
 from kvguard.contracts.tick import SINCE_OOM_CAP_S, Tick
 from kvguard.contracts.tick import Candidate as TickCandidate
+from kvguard.wire.validate import DEFAULT_LIMITS, InvalidRecord, WireLimits, check_batch_fields, check_tick_values
 
 SCHEMA_VERSION = "1.0"
 SUPPORTED_MAJOR = 1
@@ -227,9 +228,10 @@ def encode_batch(batch: EventBatch) -> bytes:
     return orjson.dumps(batch_to_wire_dict(batch), option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def decode_batch(value: bytes | bytearray | memoryview, headers: Any = None) -> EventBatch:
+def decode_batch(value: bytes | bytearray | memoryview, headers: Any = None, *,
+                 limits: WireLimits | None = None, check: bool = True) -> EventBatch:
     """JSON bytes -> validated EventBatch; ``DecodeError`` with a DLQ reason otherwise."""
-    return decode("events", value, headers).to_batch()
+    return decode("events", value, headers, limits=limits, check=check).to_batch()
 
 
 # ---- metrics, alerts, commands, acks -------------------------------------------------------
@@ -308,6 +310,15 @@ class MetricTick(WireModel):
     candidates: list[Candidate] = Field(default_factory=list)
     requests_waiting: int = 0
     s_since_oom: float = SINCE_OOM_CAP_S
+    alloc_reserved_bytes: int = 0
+    alloc_allocated_bytes: int = 0
+    alloc_inactive_split_bytes: int = 0
+    alloc_largest_free_block_bytes: int = 0
+    alloc_f_ext: float = 0.0
+    alloc_segments: int = 0
+    alloc_retries: int = 0
+    util_activation: float = 0.0
+    util_reserved_unused: float = 0.0
 
     def to_tick(self) -> Tick:
         """The core's tick from this validated record: fields the record does not carry take the
@@ -445,11 +456,14 @@ def encode(model: WireModel) -> bytes:
     return model.to_bytes()
 
 
-def decode(kind: str, value: bytes | bytearray | memoryview, headers: Any = None) -> WireModel:
+def decode(kind: str, value: bytes | bytearray | memoryview, headers: Any = None, *,
+           limits: WireLimits | None = None, check: bool = True) -> WireModel:
     """Bytes of a ``kind`` record -> its model. ``headers`` (Kafka header pairs) are checked when given.
 
     Raises ``DecodeError`` with reason ``malformed`` (not a JSON object), ``wrong_type`` (the
-    ``ce_type`` header names another kind), ``unknown_major`` (header or payload) or ``invalid``.
+    ``ce_type`` header names another kind), ``unknown_major`` (header or payload) or ``invalid``
+    (the schema, or the contents: ``kvguard.wire.validate``, with ``limits`` as its caps;
+    ``check=False`` skips the contents, for the codec alone).
     """
     model_cls = MODELS.get(kind)
     if model_cls is None:
@@ -468,9 +482,25 @@ def decode(kind: str, value: bytes | bytearray | memoryview, headers: Any = None
     if major != SUPPORTED_MAJOR:
         raise DecodeError("unknown_major", f"schema {data.get('schema')!r}: this reader knows {SUPPORTED_MAJOR}.x")
     try:
-        return model_cls.model_validate(data)
+        model = model_cls.model_validate(data)
     except ValidationError as exc:
         raise DecodeError("invalid", _first_error(exc)) from None
+    if check:
+        try:
+            _check_contents(model, limits or DEFAULT_LIMITS)
+        except InvalidRecord as exc:
+            raise DecodeError("invalid", exc.detail) from None
+    return model
+
+
+def _check_contents(model: WireModel, limits: WireLimits) -> None:
+    """What the schema lets through but a consumer must not meet (``kvguard.wire.validate``)."""
+    if isinstance(model, EventBatchRecord):
+        check_batch_fields(epoch=model.epoch, seq=model.seq, cols=model.cols, geometry=model.geometry,
+                           state=model.state, limits=limits)
+    elif isinstance(model, MetricTick):
+        check_tick_values({name: getattr(model, name) for name in type(model).model_fields}
+                          | {"candidates": [c.model_dump() for c in model.candidates]})
 
 
 def _check_type_header(kind: str, headers: Any) -> None:

