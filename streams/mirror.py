@@ -327,7 +327,8 @@ class AllocatorMirror:
 
     def _apply_requests(self, ev: np.ndarray, kind: np.ndarray, ref_rows: np.ndarray,
                         delta: np.ndarray) -> None:
-        rows = _nonzero(_HAS_REQ[kind])
+        # a workspace ALLOC_FAIL names no request (req -1): it must not invent a waiting one
+        rows = _nonzero(_HAS_REQ[kind] & (ev["req"] >= 0))
         if rows.size == 0:
             return
         reqs = ev["req"][rows]

@@ -114,3 +114,15 @@ def test_ticks_carry_the_allocator_family_and_uniform_blocks_have_no_kv_fragment
     assert tick.alloc_segments == twin.memory_stats()["segment.all.current"] == 3
     assert tick.util_reserved_unused == (twin.reserved_bytes - twin.allocated_bytes) / geometry.total_bytes
     twin.free(kept)
+
+
+def test_a_workspace_alloc_fail_names_no_request_and_counts_no_waiting_one():
+    from kvguard.contracts.events import EventBatch
+    from kvguard.contracts.units import NS_PER_S
+    from kvguard.streams.core import StreamCore
+
+    rows = empty_events(2)
+    rows[0] = (NS_PER_S, EventKind.ALLOC_FAIL, 0, 0, -1, 0, 64, 0, 10)  # the step workspace found no run
+    rows[1] = (11 * NS_PER_S, EventKind.STEP, 0, 0, -1, -1, 0, 0, 0)
+    ticks, _ = StreamCore().process(EventBatch("n", 0, rows, geometry=small_geometry()))
+    assert ticks[0].alloc_failures == 1 and ticks[0].requests_waiting == 0
