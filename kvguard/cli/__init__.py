@@ -13,6 +13,7 @@ from kvguard.cli import (  # noqa: F401  (each module registers its commands on 
     node,
     policy,
     rca,
+    record,
     simulate,
     topics,
     train,
