@@ -14,6 +14,7 @@ from kvguard.cli import (  # noqa: F401  (each module registers its commands on 
     policy,
     rca,
     record,
+    replay,
     simulate,
     topics,
     train,
