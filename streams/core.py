@@ -36,7 +36,7 @@ import io
 import json
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -479,8 +479,8 @@ class CoreCounters:
 class StreamCore:
     """Per-node stream state for every node it sees; ``process``/``process_many`` return the ticks
     and alerts the batches cause, in order per node. ``rejected`` lists the batches of the latest
-    call that were not applied, ``evicted`` the nodes it evicted (both for the caller's DLQ and
-    bookkeeping)."""
+    call that were not applied (for the caller's DLQ); ``take_evicted()`` the nodes evicted since
+    it was last called (for the caller's own per-node bookkeeping)."""
 
     def __init__(self, config: StreamConfig | None = None, predictor: Predictor | None = None, *,
                  stateful: bool | None = None):
@@ -503,7 +503,8 @@ class StreamCore:
         self.nodes: dict[str, NodeState] = {}  # least recently seen first
         self.counters = CoreCounters()
         self.rejected: list[Rejection] = []
-        self.evicted: list[str] = []
+        # bounded: a caller that never takes them (a log replay) does not grow it
+        self.evicted: deque[str] = deque(maxlen=max(1024, self.config.max_nodes))
 
     def node_state(self, node: str) -> NodeState:
         """The node's state (new if unknown), now the most recently seen; evicts the least
@@ -515,6 +516,12 @@ class StreamCore:
         while len(self.nodes) > self.config.max_nodes:
             self.forget(next(iter(self.nodes)), idle=False)
         return st
+
+    def take_evicted(self) -> list[str]:
+        """The nodes evicted (cap or ``forget``) since the last call."""
+        evicted = list(self.evicted)
+        self.evicted.clear()
+        return evicted
 
     def forget(self, node: str, *, idle: bool = True) -> bool:
         """Drop a node's state (idle: the caller's timeout passed; else the cap). Its next batch
@@ -545,7 +552,7 @@ class StreamCore:
         A node's batches are first put in ``(epoch, seq)`` order, redeliveries dropped, and those
         that fail validation or jump too far in epoch rejected (``_admit``); a group whose
         application raises is rejected as well. ``self.rejected`` lists what this call rejected."""
-        self.rejected, self.evicted = [], []
+        self.rejected = []
         by_node: dict[str, list[EventBatch]] = {}
         for batch in batches:
             by_node.setdefault(batch.node, []).append(batch)
@@ -616,6 +623,20 @@ class StreamCore:
             st._unsynced(f"node {st.node}: applying a batch raised {type(err).__name__}")
         for b in group:
             self._reject(b, detail, reason="processing_error")
+
+    def finish(self) -> tuple[list[Tick], list[Alert]]:
+        """The end of the input (a log replayed to its last line): every node with events since its
+        last tick gets that interval's tick now, marked ``partial``, so a node's last events (its
+        OOM, say) are not lost for want of a later event."""
+        produced = []
+        for node in sorted(self.nodes):
+            st = self.nodes[node]
+            if st.events_since_tick == 0 or st.next_boundary_ns is None or st.mirror is None:
+                continue
+            ticks = [replace(t, partial=True) for t in st.flush(st.next_boundary_ns)]
+            for i, tick in enumerate(ticks):
+                produced.append((st, tick, self._window(st, len(ticks) - 1 - i)))
+        return self._finish(produced)
 
     def flush(self, now_ns: int) -> tuple[list[Tick], list[Alert]]:
         """Emit due ticks of every node up to ``now_ns`` (event time of the caller's choosing)."""

@@ -26,7 +26,6 @@ def metrics(
     from kvguard.cli.simulate import parse_duration
     from kvguard.streams.alerts import alert_record
     from kvguard.streams.core import StreamConfig, StreamConfigError
-    from kvguard.streams.embedded import run_event_log
     from kvguard.streams.metrics import tick_record
     from kvguard.wire.eventlog import EventLogError
     from kvguard.wire.settings import ConfigError, Settings
@@ -58,7 +57,7 @@ def metrics(
     n_ticks = n_alerts = 0
     out = sys.stdout
     try:
-        for ticks, raised in run_event_log(events, stream_config, predictor):
+        for ticks, raised in _replay(events, stream_config, predictor):
             for t in ticks:
                 n_ticks += 1
                 record = tick_record(t)
@@ -79,7 +78,7 @@ def metrics(
 
 
 def _tick_line(r: dict) -> str:
-    flag = "" if r["synced"] else "  (unsynced)"
+    flag = ("" if r["synced"] else "  (unsynced)") + ("  (partial: the log ends inside this tick)" if r.get("partial") else "")
     return (f"{r['ts_s']:>10.1f}s {r['node']:<16} u_kv {r['u_kv']:.3f}  f_ext {r['f_ext']:.3f}  "
             f"f_int {r['f_int']:.3f}  psi {r['psi']:.3f}  slope {r['slope_per_min']:+.4f}/min  "
             f"running {r['requests_running']}  ooms {r['ooms']}{flag}\n")
@@ -88,3 +87,21 @@ def _tick_line(r: dict) -> str:
 def _alert_line(r: dict) -> str:
     return (f"{r['ts_s']:>10.1f}s {r['node']:<16} ALERT {r['name']} {r['status']} "
             f"[{r['severity']}, {r['tier']}] value {r['value']:.4f}\n")
+
+
+def _replay(path, config, predictor):
+    """The log through a fresh core, chunk by chunk, then each node's last partial tick."""
+    from kvguard.streams.core import StreamCore
+    from kvguard.wire.eventlog import read_event_log
+
+    core = StreamCore(config, predictor)
+    _, batches = read_event_log(path)
+    chunk = []
+    for batch in batches:
+        chunk.append(batch)
+        if len(chunk) >= 64:
+            yield core.process_many(chunk)
+            chunk = []
+    if chunk:
+        yield core.process_many(chunk)
+    yield core.finish()

@@ -107,6 +107,7 @@ class Tick:
     # non-KV bytes), kv (util_kv_live + util_kv_cached), reserved_but_unused (reserved - allocated)
     util_activation: float = 0.0
     util_reserved_unused: float = 0.0
+    partial: bool = False  # the input ended inside this tick's interval (rates cover less than tick_s)
 
     @property
     def ts_s(self) -> float:

@@ -319,6 +319,7 @@ class MetricTick(WireModel):
     alloc_retries: int = 0
     util_activation: float = 0.0
     util_reserved_unused: float = 0.0
+    partial: bool = False
 
     def to_tick(self) -> Tick:
         """The core's tick from this validated record: fields the record does not carry take the
@@ -371,6 +372,7 @@ class Command(WireModel):
     ttl_ns: int = Field(ge=0)
     units_needed: int = 0
     max_moves: int = 0
+    epoch: int = Field(0, ge=0)  # the producer epoch of the tick it was decided on (signed)
     signature: str = ""
 
 
