@@ -66,42 +66,12 @@ counted in ``Plan.priority_defaulted`` so the service can warn. Lower priority i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
 from kvguard.contracts.pressure import ALPHA, BETA
-from kvguard.contracts.tick import Candidate as TickCandidate
-from kvguard.contracts.tick import Tick
-from kvguard.contracts.units import DEFAULT_PRIORITY
+from kvguard.contracts.tick import Candidate, Tick
 from kvguard.policy.strategy import Granularity, HandlingChoice, Selection, Strategy
-
-
-@dataclass(slots=True, frozen=True)
-class Candidate:
-    """A request the node could give memory back from (from the tick's ``candidates``)."""
-
-    req: int
-    priority: int | None
-    units: int
-    tokens: int
-    last_ts_ns: int
-    shared_units: int = 0
-    generated_tokens: int = 0
-    prompt_tokens: int = 0
-    unit_tokens: int = 4
-
-    @property
-    def pending_prefill_units(self) -> int:
-        return max(0, -(-(self.prompt_tokens - self.tokens) // self.unit_tokens))
-
-    @property
-    def effective_priority(self) -> int:
-        return DEFAULT_PRIORITY if self.priority is None else int(self.priority)
-
-    @property
-    def freeable_units(self) -> int:
-        """Units that would actually become free: pages shared with others stay."""
-        return max(0, self.units - self.shared_units)
 
 
 @dataclass(slots=True, frozen=True)
@@ -126,11 +96,13 @@ class NodeView:
     preemptions: int = 0
     alloc_failures: int = 0
     candidates: tuple[Candidate, ...] = ()
+    unit_tokens: int = 4
 
     @property
     def pending_prefill_units(self) -> int:
         """Units the candidates' unfinished prompts will still take (their own trajectory)."""
-        return sum(c.pending_prefill_units for c in self.candidates)
+        unit = self.unit_tokens
+        return sum(max(0, -(-(c.prompt_tokens - c.tokens) // unit)) for c in self.candidates)
 
 
 @dataclass(slots=True, frozen=True)
@@ -149,7 +121,7 @@ class CostModel:
     def recovery_s(self, candidate: Candidate, units: int, handling: HandlingChoice) -> float:
         units = max(0, min(units, candidate.freeable_units))
         tokens = min(candidate.tokens, units * self.unit_tokens)
-        progress_s = self.decode_s_per_token * candidate.generated_tokens
+        progress_s = self.decode_s_per_token * candidate.decoded_tokens
         if handling is HandlingChoice.SWAP and (self.swap_free_units is None or self.swap_free_units >= units):
             return 2.0 * units * self.unit_bytes / self.host_link_bytes_per_s + progress_s
         if handling is HandlingChoice.CHECKPOINT:
@@ -307,7 +279,7 @@ def plan(view: NodeView, strategy: Strategy, config: PlannerConfig, cost: CostMo
         victims = choose_victims(view.candidates, live_need, strategy, cost, exclude=exclude)
         if not victims:
             notes.append(f"needed {live_need} units but no eligible candidate")
-    defaulted = sum(1 for c in view.candidates if c.priority is None)
+    defaulted = sum(1 for c in view.candidates if not c.priority_given)
     return Plan(units_needed=live_need, compact_moves=moves, reclaim_units=reclaim, victims=victims,
                 reason=reason, priority_defaulted=defaulted, notes=tuple(notes))
 
@@ -322,16 +294,9 @@ def view_from_tick(tick: Tick, *, dynamic_units: int | None = None, unit_tokens:
         slope_per_min=float(tick.slope_per_min or 0.0), p_oom=None if tick.p_oom is None else float(tick.p_oom),
         u_kv_forecast=tuple(float(x) for x in tick.u_kv_forecast or ()), ooms=int(tick.ooms or 0),
         preemptions=int(tick.preemptions or 0), alloc_failures=int(tick.alloc_failures or 0),
-        candidates=tuple(candidate_from(c, unit_tokens) for c in tick.candidates),
-    )
-
-
-def candidate_from(c: TickCandidate, unit_tokens: int = 4) -> Candidate:
-    """The planner's view of a tick's candidate: a negative priority means none was given, and the
-    tokens beyond the prompt were decoded (the stream knows the prompt and the pages' capacity)."""
-    return Candidate(
-        req=int(c.req), priority=None if c.priority is None or int(c.priority) < 0 else int(c.priority),
-        units=int(c.units), tokens=int(c.tokens), last_ts_ns=int(c.last_ts_ns), shared_units=int(c.shared_units or 0),
-        generated_tokens=max(0, int(c.tokens) - int(c.prompt_tokens)), prompt_tokens=int(c.prompt_tokens or 0),
+        candidates=tuple(c if c.generated_tokens is not None else replace(c, generated_tokens=c.decoded_tokens)
+                         for c in tick.candidates),
         unit_tokens=unit_tokens,
     )
+
+

@@ -11,25 +11,49 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from kvguard.contracts.units import NS_PER_S
+from kvguard.contracts.units import DEFAULT_PRIORITY, NS_PER_S
 
 SINCE_OOM_CAP_S = 1800.0  # "time since the last OOM" saturates here (also: no OOM seen yet)
 
 
 @dataclass(slots=True, frozen=True)
 class Candidate:
-    """A request the policy may evict. ``units`` counts every page it references; ``shared_units``
-    the part other requests also reference (not freed by evicting it). ``tokens`` is the KV token
-    capacity of its pages (an upper bound of the tokens it holds, exact to within one page)."""
+    """A request the node could give memory back from, carried on its tick (the stream picks them,
+    the policy chooses among them).
+
+    ``units`` counts every page it references; ``shared_units`` the part other requests also
+    reference (not freed by evicting it). ``tokens`` is the KV token capacity of its pages (an upper
+    bound of the tokens it holds, exact to within one page). ``priority`` None or negative: the
+    request gave none. ``generated_tokens`` None: not known to the sender; ``decoded_tokens``
+    then takes the tokens beyond the prompt.
+    """
 
     req: int
-    priority: int
+    priority: int | None
     units: int
-    pages: int
     tokens: int
-    shared_units: int
-    prompt_tokens: int
     last_ts_ns: int
+    shared_units: int = 0
+    prompt_tokens: int = 0
+    pages: int = 0
+    generated_tokens: int | None = None
+
+    @property
+    def priority_given(self) -> bool:
+        return self.priority is not None and self.priority >= 0
+
+    @property
+    def effective_priority(self) -> int:
+        return int(self.priority) if self.priority_given else DEFAULT_PRIORITY
+
+    @property
+    def freeable_units(self) -> int:
+        """Units that would actually become free: pages shared with others stay."""
+        return max(0, self.units - self.shared_units)
+
+    @property
+    def decoded_tokens(self) -> int:
+        return self.generated_tokens if self.generated_tokens is not None else max(0, self.tokens - self.prompt_tokens)
 
 
 @dataclass(slots=True, frozen=True)
