@@ -36,6 +36,12 @@ import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
+from urllib.parse import quote
+
+import redis
+import redis.exceptions as rex
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from kvguard.policy.budget import (
     BudgetAlert,
@@ -46,6 +52,7 @@ from kvguard.policy.budget import (
     LedgerFront,
     LedgerStats,
     LedgerUnavailable,
+    MemoryBudgetLedger,
     NodeBudget,
     OutageBuffer,
     OutageTracker,
@@ -81,8 +88,6 @@ return {1, used, claimed, top}
 
 
 def _connection_errors() -> tuple[type[BaseException], ...]:
-    import redis.exceptions as rex
-
     return (rex.ConnectionError, rex.TimeoutError, OSError)
 
 
@@ -90,8 +95,6 @@ def is_transient_refusal(exc: BaseException) -> bool:
     """True for replies with which Redis refuses a write for a while and accepts it later:
     READONLY (a replica, e.g. mid-failover), OOM (maxmemory reached until keys expire or
     memory is raised), TRYAGAIN, CLUSTERDOWN/MASTERDOWN, BUSY (another script running)."""
-    import redis.exceptions as rex
-
     if isinstance(exc, (rex.ReadOnlyError, rex.OutOfMemoryError, rex.TryAgainError,
                         rex.ClusterDownError)):
         return True
@@ -129,10 +132,6 @@ def connect(url: str, *, socket_timeout_s: float = 1.0, connect_timeout_s: float
     """A redis-py client for ``redis://[:password@]host:port/db`` or ``rediss://`` (TLS).
     No retries inside the client: an unreachable Redis must fail fast so the ledger can
     buffer instead of stalling the policy loop."""
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"redis url {mask_url(url)!r}: expected redis://, rediss:// or unix://")
     kwargs: dict[str, Any] = dict(socket_timeout=socket_timeout_s,
@@ -147,8 +146,6 @@ def url_from_settings(section: Any) -> tuple[str, dict[str, Any]]:
     """(url, connect options) from a settings ``redis`` section: ``password`` goes into the URL
     when the URL has none, ``tls`` turns ``redis://`` into ``rediss://``, ``ssl_cafile`` is the
     CA bundle for TLS."""
-    from urllib.parse import quote
-
     url = str(section.url)
     if getattr(section, "tls", False) and url.startswith("redis://"):
         url = "rediss://" + url[len("redis://"):]
@@ -216,8 +213,6 @@ class ResilientRedis:
     def call(self, call: ScriptCall) -> CallOutcome:
         """Run a script (after replaying the buffer). Never raises for Redis trouble: see
         ``CallOutcome`` for what can happen instead."""
-        import redis.exceptions as rex
-
         if not self.retry_due:
             self.buffer.append(call)
             return CallOutcome(BUFFERED)
@@ -454,8 +449,6 @@ def open_budget_ledger(redis_url: str | None, config: BudgetConfig | None = None
                        **redis_options: Any) -> Any:
     """The composition root's choice: the in-memory ledger when no Redis URL is given (the
     embedded default), else the Redis ledger. Nothing connects until the first call."""
-    from kvguard.policy.budget import MemoryBudgetLedger
-
     if not redis_url:
         return MemoryBudgetLedger(config)
     return RedisBudgetLedger(redis_url, config, **redis_options)

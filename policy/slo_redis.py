@@ -27,6 +27,7 @@ from kvguard.policy.budget_redis import DONE, ResilientRedis, ScriptCall
 from kvguard.policy.slo import (
     COMPLETED,
     FAILED,
+    MemorySloLedger,
     SloConfig,
     SloReport,
     TierLeads,
@@ -186,8 +187,6 @@ def _glob_escape(text: str) -> str:
 def open_slo_ledger(redis_url: str | None, config: SloConfig | None = None,
                     **redis_options: Any) -> Any:
     """In-memory SLO ledger without a Redis URL (embedded), else the Redis one."""
-    from kvguard.policy.slo import MemorySloLedger
-
     if not redis_url:
         return MemorySloLedger(config)
     return RedisSloLedger(redis_url, config, **redis_options)

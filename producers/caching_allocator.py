@@ -811,6 +811,7 @@ class CachingAllocator:
 def __getattr__(name: str):
     """``replay_device_trace`` and ``compare_replay`` live in caching_allocator_replay (imported on use)."""
     if name in ("replay_device_trace", "compare_replay"):
+        # the replay module imports this one: imported on use to avoid the cycle
         from kvguard.producers import caching_allocator_replay
         return getattr(caching_allocator_replay, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

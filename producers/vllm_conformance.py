@@ -226,6 +226,7 @@ def _import_vllm() -> SimpleNamespace:
     ``scripts/install-vllm-cpu.sh``); nothing imports it at module load."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
+        # vllm is optional and heavy (2 GB, ~8 s to import): imported only when the check runs
         import torch
         import vllm
         from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import pickle
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -325,8 +325,6 @@ class LSTMPredictor:
 def with_model_threshold(config, predictor: "LSTMPredictor"):
     """A ``streams.core.StreamConfig`` whose tier-3 rule fires at the model's calibrated threshold
     (``AlertThresholds.p_oom``), which is what the held-out metrics in its metadata assume."""
-    from dataclasses import replace
-
     return replace(config, thresholds=replace(config.thresholds, p_oom=float(predictor.threshold)))
 
 

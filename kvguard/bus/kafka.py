@@ -17,6 +17,10 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.helpers import create_ssl_context
+
 from kvguard.bus.base import (
     BusClosed,
     BusCounters,
@@ -49,8 +53,6 @@ def client_kwargs(kafka: KafkaSettings) -> dict[str, Any]:
         "request_timeout_ms": kafka.request_timeout_ms,
     }
     if kafka.security_protocol in ("SSL", "SASL_SSL"):
-        from aiokafka.helpers import create_ssl_context
-
         kwargs["ssl_context"] = create_ssl_context(
             cafile=kafka.ssl_cafile, certfile=kafka.ssl_certfile, keyfile=kafka.ssl_keyfile
         )
@@ -69,8 +71,6 @@ async def create_topics(
     ``specs`` defaults to every kvguard topic of ``config`` (which must then be ``Settings``).
     Tansu does not auto-create topics, so every deployment runs this once (``kvguard topics create``).
     """
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-
     if specs is None:
         if not isinstance(config, Settings):
             raise TypeError("create_topics needs Settings (for the topic list) when specs is not given")
@@ -110,8 +110,6 @@ async def topic_partitions(config: KafkaSettings | Settings | str, names: Sequen
 
     Only existing names are described: Tansu 0.6 auto-creates a topic (with 4 partitions) when a
     metadata request names an unknown one."""
-    from aiokafka.admin import AIOKafkaAdminClient
-
     admin = AIOKafkaAdminClient(**client_kwargs(_kafka_settings(config)))
     await admin.start()
     try:
@@ -156,7 +154,6 @@ class KafkaBus:
         """Start the producer; raises (aiokafka's KafkaConnectionError) when no broker answers."""
         if self._producer is not None:
             return
-        from aiokafka import AIOKafkaProducer
 
         kafka = self.kafka
         options: dict[str, Any] = {
@@ -267,7 +264,6 @@ class KafkaSubscription:
             raise BusClosed(f"subscription of group {self.group!r} is closed")
         if self._consumer is not None:
             return
-        from aiokafka import AIOKafkaConsumer
 
         kafka = self.bus.kafka
         options: dict[str, Any] = {
@@ -320,8 +316,6 @@ class KafkaSubscription:
         raise StopAsyncIteration
 
     async def _commit_record(self, record: Record) -> None:
-        from aiokafka import TopicPartition
-
         await self._consumer.commit({TopicPartition(record.topic, record.partition): record.offset + 1})
         self.bus.counters.committed += 1
 

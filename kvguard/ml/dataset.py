@@ -17,13 +17,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from kvguard.contracts.events import EventKind
 from kvguard.contracts.units import NS_PER_S
 from kvguard.ml.evaluation import DEFAULT_HORIZON_S, labels_for_ticks
+from kvguard.producers.fleet import Fleet
+from kvguard.producers.profiles import load_profile
+from kvguard.producers.workloads import SCENARIOS, load_workload, resolve_trace_path
+from kvguard.streams.alerts import FIRING
+from kvguard.streams.core import StreamConfig, StreamCore
+from kvguard.streams.metrics import FEATURE_NAMES, tick_features
 
 DATASET_FORMAT = "kvguard-tick-dataset/1"
 TIERS_STORED = ("threshold", "slope")
@@ -359,15 +367,6 @@ def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ti
     ``oom`` events themselves) and each tier's firing, as the alert rules decided it. With a
     ``predictor`` the core also runs tier 3 (``kvguard eval``); without one it is tiers 1-2 only.
     """
-    import time
-
-    from kvguard.contracts.events import EventKind
-    from kvguard.producers.fleet import Fleet
-    from kvguard.producers.profiles import load_profile
-    from kvguard.producers.workloads import load_workload
-    from kvguard.streams.alerts import FIRING
-    from kvguard.streams.core import StreamConfig, StreamCore
-    from kvguard.streams.metrics import FEATURE_NAMES, tick_features
 
     started = time.monotonic()
     profile = load_profile(spec.profile)
@@ -377,6 +376,7 @@ def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ti
     fleet.submit_workload(workload)
     config = StreamConfig(tick_s=tick_s)
     if getattr(predictor, "threshold", None) is not None:  # the model's calibrated operating point
+        # the LSTM module loads torch: only when a model is given
         from kvguard.streams.lstm import with_model_threshold
 
         config = with_model_threshold(config, predictor)
@@ -425,8 +425,6 @@ def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ti
 
 def workload_inputs(workload: str) -> dict[str, str]:
     """{source: sha256} for a trace workload (file or bundled alias); {} for a named scenario."""
-    from kvguard.producers.workloads import SCENARIOS, resolve_trace_path
-
     if workload in SCENARIOS:
         return {}
     path = resolve_trace_path(workload)
@@ -438,8 +436,6 @@ def workload_inputs(workload: str) -> dict[str, str]:
 def build_dataset(specs: list[RunSpec], *, tick_s: float = 10.0,
                   progress=None) -> TickDataset:
     """Simulate every run and assemble the dataset. ``progress(i, n, spec, record)`` after each run."""
-    from kvguard.streams.metrics import FEATURE_NAMES
-
     inputs: dict[str, str] = {}
     runs = []
     for i, spec in enumerate(specs):

@@ -304,6 +304,7 @@ def evaluate_traces(traces: list[NodeTrace], tiers: tuple[str, ...] = ("threshol
 
 def plot_roc(result: EvaluationResult, path: str, title: str = "") -> None:
     """ROC of the LSTM's P(OOM within 5 min), with the FPR = 5 % budget marked."""
+    # matplotlib takes a second to import: only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")
@@ -329,6 +330,7 @@ def plot_roc(result: EvaluationResult, path: str, title: str = "") -> None:
 
 def plot_lead_times(result: EvaluationResult, path: str, title: str = "") -> None:
     """Per-tier lead times before each OOM (one dot per OOM, misses at 0) with the medians."""
+    # matplotlib takes a second to import: only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvguard import __version__
 from kvguard.contracts.units import NS_PER_S
 from kvguard.ml.dataset import TickDataset
 from kvguard.ml.evaluation import NodeTrace, evaluate_traces, isolated_ooms, threshold_for_fpr
@@ -267,7 +268,6 @@ def train(ds: TickDataset, config: TrainConfig = TrainConfig(), *,
                                      horizon_s=ds.horizon_s, threshold=threshold)
             metrics[name] = result.to_dict()
             metrics[name]["workloads"] = sorted({ds.runs[int(ds.seq_run[s])]["workload"] for s in ids})
-    from kvguard import __version__
 
     metadata = ModelMetadata(
         feature_names=list(ds.feature_names), normalisation=norm, threshold=threshold,

@@ -34,6 +34,7 @@ def write_report(directory: str | Path, result: dict, baseline: Any, guarded: An
 
 
 def _timeline(path: Path, baseline: Any, guarded: Any) -> None:
+    # matplotlib takes a second to import: only when a report is drawn
     import matplotlib
 
     matplotlib.use("Agg")
@@ -65,6 +66,7 @@ def _timeline(path: Path, baseline: Any, guarded: Any) -> None:
 
 
 def _outcomes(path: Path, result: dict) -> None:
+    # matplotlib takes a second to import: only when a report is drawn
     import matplotlib
 
     matplotlib.use("Agg")

@@ -62,6 +62,7 @@ def _png(plt, fig) -> str:
 
 
 def _fleet_heatmap(plt, nodes) -> str:
+    # matplotlib takes a second to import: only when a report is drawn
     import numpy as np
 
     times = sorted({ts for n in nodes for ts in n.ts_s})

