@@ -1,5 +1,6 @@
 """The installed distribution exposes one import name, ``kvguard`` (docs/ARCHITECTURE.md, "Layers")."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -9,7 +10,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_wheel_installs_only_the_kvguard_namespace_with_its_data(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT),
+    # built from a copy of the sources: a build/ folder left in the checkout would leak stale files into the wheel
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for folder in ("kvguard", "producers", "streams", "policy", "actuators"):
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
                     "-w", str(tmp_path)], check=True, capture_output=True, cwd=tmp_path)
     wheel = next(tmp_path.glob("kvguard-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
@@ -17,5 +25,6 @@ def test_the_wheel_installs_only_the_kvguard_namespace_with_its_data(tmp_path):
                                                  + ".dist-info"}
     for module in ("kvguard/policy/engine.py", "kvguard/producers/pool.py", "kvguard/streams/core.py",
                    "kvguard/actuators/actuator.py", "kvguard/producers/profiles.json",
-                   "kvguard/streams/models/oom_lstm.pt", "kvguard/producers/data/azure_llm_2023_conv.csv.gz"):
+                   "kvguard/streams/models/oom_lstm.pt", "kvguard/producers/data/azure_llm_2023_conv.csv.gz",
+                   "kvguard/producers/data/vllm_model/config.json"):
         assert module in names, module
