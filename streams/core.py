@@ -369,7 +369,7 @@ class NodeState:
             alloc_inactive_split_bytes=am.inactive_split_bytes, alloc_largest_free_block_bytes=am.largest_free_block_bytes,
             alloc_f_ext=am.f_ext, alloc_segments=am.segments, alloc_retries=d.alloc_retries,
             util_activation=am.allocated_bytes / total,
-            util_reserved_unused=(am.reserved_bytes - am.allocated_bytes) / total,
+            util_reserved_unused=(am.reserved_bytes - am.allocated_bytes) / total, unit_bytes=ub,
         )
         self.features.push(tick_features(tick))
         if len(table.req) > 4096:

@@ -19,9 +19,10 @@ app.add_typer(slo_app, name="slo")
 _NODE = typer.Option(None, "--node", help="Only this node id.")
 _WEEK = typer.Option(None, "--week", help="ISO week such as 2026-W48 (UTC); default: the latest "
                                           "week with data, else the current week.")
+# typer renders help as rich markup, where "[redis]" is a style tag and vanishes: "\[" keeps it
 _REDIS = typer.Option(None, "--redis",
                       help="redis://[:password@]host:port/db or rediss:// (TLS); default: redis.url "
-                           "when set explicitly (KVGUARD_REDIS__URL or the [redis] table of "
+                           "when set explicitly (KVGUARD_REDIS__URL or the \\[redis] table of "
                            "$KVGUARD_CONFIG). The built-in default is never used.")
 _JSON = typer.Option(False, "--json", help="Print one JSON object for machines.")
 

@@ -3,13 +3,46 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import typer
 
 from kvguard.cli.app import app
+
+
+def export_setting(settings: Any, name: str, default: Any) -> Any:
+    """``export.<name>`` from the settings when they have an ``export`` section, else ``default``."""
+    return getattr(getattr(settings, "export", None), name, default)
+
+
+def broker_unreachable(bootstrap: str, err: BaseException) -> str:
+    """One line for a broker that does not answer, with what to do next."""
+    reason = str(err).removeprefix(f"{type(err).__name__}: ")
+    cause = type(err).__name__ if not reason or "Unable to bootstrap" in reason else f"{type(err).__name__}: {reason}"
+    return (f"error: no Kafka broker answers at {bootstrap} ({cause}). Start it, or point kvguard at yours with "
+            f"--bus kafka://HOST:PORT or KVGUARD_KAFKA__BOOTSTRAP=HOST:PORT.")
+
+
+@contextlib.contextmanager
+def quiet_kafka_client() -> Iterator[None]:
+    """Silence aiokafka's own log lines while connecting: the caller reports a failure in one line."""
+    logger = logging.getLogger("aiokafka")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+class BrokerUnreachable(Exception):
+    """The Kafka broker did not answer; the message is the one line to print."""
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -28,7 +61,15 @@ def export(
     webhook: str = typer.Option(None, "--webhook", help="Generic JSON webhook URL (one POST per alert)."),
     bus: str = typer.Option(None, "--bus", help="kafka://HOST:PORT (default: kafka.bootstrap from settings)."),
     group: str = typer.Option("kvguard-export", "--group", help="Consumer group."),
-    ttl: float = typer.Option(300.0, "--ttl-s", help="Drop a node's series after this many silent seconds."),
+    ttl: float = typer.Option(None, "--ttl-s", help="Drop a node's series after this many silent wall seconds "
+                              "(default: export.ttl_s, else 300)."),
+    max_nodes: int = typer.Option(None, "--max-nodes", help="Hold at most this many nodes; records of further "
+                                  "nodes are refused and counted (default: export.max_nodes, else 5000)."),
+    model_label: str = typer.Option(None, "--model-label", help="The `model` label (the served model) of nodes "
+                                    "whose ticks name none (default: export.model_label, else empty)."),
+    paging: str = typer.Option(None, "--paging", help="Who pages on kvguard's alerts: forwarder (this exporter, "
+                               "to --alertmanager) or prometheus (the rules in deploy/prometheus); default: "
+                               "export.paging, else forwarder."),
     queue_bound: int = typer.Option(1000, "--queue-bound", help="Alerts buffered per receiver (oldest dropped)."),
     resend: float = typer.Option(60.0, "--resend-s", help="Resend firing alerts to Alertmanager this often "
                                  "(endsAt 4 periods ahead); 0: send transitions only."),
@@ -38,10 +79,8 @@ def export(
     json_out: bool = typer.Option(False, "--json", help="On exit, print the counters as one JSON object."),
 ) -> None:
     """Serve kvguard's metrics to Prometheus and forward its alerts to Alertmanager (and a webhook)."""
-    import logging
-
     from kvguard.cli._service import stop_event
-    from kvguard.ops.export_service import EXPORT_KINDS, ExportService
+    from kvguard.ops.export_service import EXPORT_KINDS, PAGING_PATHS, ExportService
     from kvguard.ops.exporter import ExportError
     from kvguard.runtime.bootstrap import BootstrapError, make_bus
     from kvguard.wire.settings import ConfigError, Settings
@@ -50,28 +89,44 @@ def export(
     try:
         host, port = parse_listen(listen)
         settings = Settings.load(config)
-        carrier = make_bus(settings, bus or f"kafka://{settings.kafka.bootstrap}")
+        bus_url = bus or f"kafka://{settings.kafka.bootstrap}"
+        carrier = make_bus(settings, bus_url)
+        paging = paging or export_setting(settings, "paging", PAGING_PATHS[0])
         service = ExportService(carrier, {kind: settings.topics.name(kind) for kind in EXPORT_KINDS},
                                 host=host, port=port, group=group, alertmanager_url=alertmanager,
-                                webhook_url=webhook, generator_url=generator_url, ttl_s=ttl,
-                                queue_bound=queue_bound, resend_s=resend)
+                                webhook_url=webhook, generator_url=generator_url,
+                                ttl_s=ttl if ttl is not None else export_setting(settings, "ttl_s", 300.0),
+                                max_nodes=max_nodes or export_setting(settings, "max_nodes", 5000),
+                                model=model_label if model_label is not None
+                                else export_setting(settings, "model_label", ""),
+                                paging=paging, queue_bound=queue_bound, resend_s=resend)
     except (ConfigError, BootstrapError, ExportError, typer.BadParameter) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
 
     async def main() -> None:
         stop = stop_event(max_seconds)
-        await carrier.start()
         try:
-            async with service:
-                receivers = ", ".join(s.url for s in service.sinks) or "no alert receivers"
-                typer.echo(f"kvguard export: {service.url}/metrics; alerts -> {receivers}", err=True)
-                await stop.wait()
+            try:
+                with quiet_kafka_client():
+                    await carrier.start()
+                    await service.start()
+            except OSError:  # --listen: the address is taken or not ours
+                raise
+            except Exception as err:  # aiokafka's KafkaConnectionError and kin: the broker did not answer
+                raise BrokerUnreachable(broker_unreachable(bus_url.removeprefix("kafka://"), err)) from None
+            receivers = ", ".join(s.url for s in service.sinks) or "no alert receivers"
+            typer.echo(f"kvguard export: {service.url}/metrics; alerts -> {receivers} (paging: {paging})", err=True)
+            await stop.wait()
         finally:
+            await service.stop()
             await carrier.stop()
 
     try:
         asyncio.run(main())
+    except BrokerUnreachable as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(1) from None
     except OSError as err:
         typer.echo(f"error: --listen {listen}: {err}", err=True)
         raise typer.Exit(2) from None

@@ -37,14 +37,19 @@ def node(
     host: str = typer.Option("sim-0", "--host", help="Node ids are <host>/gpu<i>."),
     profile: str = typer.Option(None, "--profile"),
     bus: str = typer.Option(None, "--bus", help="kafka://HOST:PORT (default: kafka.bootstrap from settings)."),
-    journal_dir: Path = typer.Option(None, "--journal-dir", help="Where actuators keep their applied-id journals."),
+    journal_dir: Path = typer.Option(None, "--journal-dir",
+                                     help="Where actuators keep their applied-id journals (default: node.journal_dir)."),
+    insecure_dev: bool = typer.Option(False, "--insecure-dev",
+                                      help="Accept a short or placeholder policy.hmac_secret (throwaway setups only)."),
     no_actuator: bool = typer.Option(False, "--no-actuator", help="Run the bare engine (baseline)."),
     config: Path = typer.Option(None, "--config", help="Settings file (TOML/JSON)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
 ) -> None:
     """Run simulated GPUs (shadow engine + producer + actuator) against the bus."""
     # the runtime loads the whole system: imported when the command runs, so `kvguard --help` stays fast
+    from kvguard.cli.export import BrokerUnreachable, broker_unreachable, quiet_kafka_client
     from kvguard.cli.simulate import parse_duration
+    from kvguard.producers.workloads import WorkloadError
     from kvguard.runtime.bootstrap import BootstrapError, bootstrap, make_bus
     from kvguard.runtime.embedded import demo_workload
     from kvguard.runtime.node import run_node
@@ -52,13 +57,18 @@ def node(
 
     try:
         settings = Settings.load(config)
-        graph = bootstrap(settings, profile=profile, predictor=None, require_secret=not no_actuator)
+        graph = bootstrap(settings, profile=profile, predictor=None, require_secret=not no_actuator,
+                          insecure_dev=insecure_dev)
         carrier = make_bus(settings, bus or f"kafka://{settings.kafka.bootstrap}")
     except (ConfigError, BootstrapError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     duration_s = parse_duration(duration)
-    wl = demo_workload(graph.profile, workload=workload, rate_scale=rate_scale, duration_s=duration_s, seed=seed)
+    try:
+        wl = demo_workload(graph.profile, workload=workload, rate_scale=rate_scale, duration_s=duration_s, seed=seed)
+    except WorkloadError as err:
+        typer.echo(f"error: --workload {err}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"kvguard node {host}: {gpus} GPU(s), {len(wl.requests)} requests over {duration_s:g} s at "
                f"{speed:g}x, actuator {'off' if no_actuator else 'on'}", err=True)
 
@@ -67,14 +77,24 @@ def node(
     epoch = time.time_ns()
 
     async def main() -> dict:
-        await carrier.start()
+        try:
+            with quiet_kafka_client():
+                await carrier.start()
+        except Exception as err:  # aiokafka's KafkaConnectionError and kin: the broker did not answer
+            await carrier.stop()
+            raise BrokerUnreachable(broker_unreachable(getattr(carrier, "bootstrap", "the broker"), err)) from None
         try:
             return await run_node(graph, carrier, wl, n_gpus=gpus, duration_s=duration_s, speed=speed, seed=seed,
-                                  host=host, actuate=not no_actuator, journal_dir=journal_dir, epoch=epoch)
+                                  host=host, actuate=not no_actuator, epoch=epoch,
+                                  journal_dir=journal_dir if journal_dir is not None else settings.node.journal_dir)
         finally:
             await carrier.stop()
 
-    summary = asyncio.run(main())
+    try:
+        summary = asyncio.run(main())
+    except BrokerUnreachable as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(1) from None
     if json_out:
         sys.stdout.write(json.dumps(summary, default=str) + "\n")
     else:

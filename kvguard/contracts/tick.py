@@ -132,6 +132,7 @@ class Tick:
     util_activation: float = 0.0
     util_reserved_unused: float = 0.0
     partial: bool = False  # the input ended inside this tick's interval (rates cover less than tick_s)
+    unit_bytes: int = 0  # bytes of one KV unit (Geometry.unit_bytes): *_units fields times this are bytes
 
     @property
     def ts_s(self) -> float:

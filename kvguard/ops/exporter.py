@@ -1,21 +1,34 @@
 """The downstream edge, pure part: Prometheus exposition and Alertmanager alert mapping.
 
-``ExportState`` folds what ``kvguard export`` consumes (metric ticks, alerts, acks, DLQ records)
-into per-node series and renders them in the Prometheus text exposition format (0.0.4):
+``ExportState`` folds what ``kvguard export`` consumes (metric ticks, alerts, commands, acks, DLQ
+records) into per-node series; ``ExportCollector`` is a prometheus_client custom collector over it,
+so the text format (0.0.4) and OpenMetrics both come from prometheus_client's own encoders. The
+collector reads the state at scrape time and never creates client-side metric objects, which keeps
+kvguard's event-time semantics:
 
 - gauges (``kvguard_u_kv`` …) hold the newest tick per node by *event time*: a redelivered or
-  late tick older than the one shown never moves a gauge back;
-- counters (``kvguard_ooms_total`` …) add each tick's per-tick deltas once: a tick is counted
-  once per (node, ts_ns), so at-least-once redelivery does not double count. The seen set is
-  bounded per node (``dedupe_ticks``); a tick older than everything it remembers is treated as
-  already counted (one node's ticks arrive in order on one partition, so such a tick is a
-  redelivery);
+  late tick older than the one shown never moves a gauge back. Samples carry no timestamp (a
+  simulator's event time starts at 0; Prometheus would refuse it): the event time of the tick
+  shown is its own gauge, ``kvguard_tick_timestamp_seconds``;
+- counters (``kvguard_ooms_total``, ``kvguard_tokens_total`` …) add each tick's per-tick count once:
+  a tick is counted once per (node, ts_ns), so at-least-once redelivery does not double count. The
+  seen set is bounded per node (``dedupe_ticks``); a tick older than everything it remembers is
+  treated as already counted (one node's ticks arrive in order on one partition, so such a tick is a
+  redelivery). Rates are counters, not gauges: ``rate(kvguard_tokens_total[5m])`` in PromQL;
 - a node's ticks are ordered by (producer ``epoch``, ts_ns): a tick of a newer epoch is a
   restarted node whose event time starts over, so the node's tick series start over with it
   (gauges take its values, counters restart at its deltas: a counter reset to Prometheus); a
   tick of an older epoch is ignored (stale, not counted);
-- a node not heard from for ``ttl_s`` of wall time (the ``now_ns`` callers pass) is dropped with
-  all its series, so Prometheus sees it go stale instead of a frozen value.
+- memory is bounded: at most ``max_nodes`` nodes are held (records of further nodes are refused
+  and counted until one leaves), and a node not heard from for ``ttl_s`` of wall time (the
+  ``now_ns`` callers pass) is dropped with all its series, so Prometheus sees it go stale instead of
+  a frozen value (counted as ``nodes_expired``).
+
+Every per-node series is labelled ``node``, ``gpu``, ``model``, ``instance``: a node id
+``<host>/gpu<i>`` gives ``gpu="<i>"`` (DCGM's label) and ``instance="<host>"``; ``model`` is the
+tick's ``model`` field when it has one, else the state's default (a setting). Units are base units:
+ratios (0..1), seconds, bytes; allocator units become bytes where the tick says how many bytes a
+unit holds (``unit_bytes``), and stay ``*_units`` gauges (a count of allocator units) always.
 
 ``alertmanager_alert`` maps a ``kvguard.alerts`` record onto Alertmanager's ``/api/v2/alerts``
 shape. Inputs are duck-typed (the wire models' attributes), so this module imports no pydantic
@@ -25,47 +38,116 @@ and never reads the clock: time is an argument.
 from __future__ import annotations
 
 import hashlib
-import math
+import re
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from prometheus_client.exposition import generate_latest as _text_format
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.openmetrics.exposition import generate_latest as _openmetrics_format
+
 from kvguard.contracts.units import NS_PER_S
 
+# The classic text format; prometheus_client's bytes for these (legacy-valid) names are 0.0.4 as is
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
-# gauge name -> (tick attribute, help); the names deploy/prometheus/kvguard-rules.yaml expects first
-TICK_GAUGES: dict[str, tuple[str, str]] = {
-    "kvguard_u_kv": ("u_kv", "KV cache usage U_kv: live KV units over the dynamic pool D (0..1)."),
-    "kvguard_f_ext": ("f_ext", "External fragmentation F_ext: 1 - largest free run / free units (0..1)."),
-    "kvguard_f_int": ("f_int", "Internal fragmentation F_int: unused token slots in live pages (0..1)."),
-    "kvguard_psi": ("psi", "Pressure index Psi (>= 1 means an OOM is unavoidable)."),
-    "kvguard_u_kv_slope_per_min": ("slope_per_min", "Slope of U_kv per minute of event time."),
-    "kvguard_p_oom": ("p_oom", "LSTM probability of an OOM within the horizon (absent when no model runs)."),
-    "kvguard_free_units": ("free_units", "Free units of the dynamic KV pool."),
-    "kvguard_largest_free_run_units": ("largest_free_run_units", "Largest run of contiguous free units."),
-    "kvguard_requests_running": ("requests_running", "Requests running on the node."),
-    "kvguard_tokens_per_second": ("tokens_per_s", "Tokens processed per second of event time."),
-    "kvguard_alloc_failures_per_second": ("alloc_fail_per_s", "Allocation failures per second of event time."),
+NODE_LABELS: tuple[str, ...] = ("node", "gpu", "model", "instance")
+_NODE_ID = re.compile(r"^(?P<host>.+)/gpu(?P<gpu>\d+)$")
+# event times before 2000-01-01 come from a simulator's clock (it starts at 0), never from a fleet
+SIMULATED_BEFORE_NS = 946_684_800 * NS_PER_S
+
+# gauge name -> (tick attribute, factor, help): the newest tick's value times the factor
+TICK_GAUGES: dict[str, tuple[str, float, str]] = {
+    "kvguard_u_kv": ("u_kv", 1.0, "KV cache usage U_kv: live KV bytes over the dynamic pool D (ratio)."),
+    "kvguard_f_ext": ("f_ext", 1.0, "External fragmentation F_ext: 1 - largest free run / free (ratio)."),
+    "kvguard_f_int": ("f_int", 1.0, "Internal fragmentation F_int: unused token slots in live pages (ratio)."),
+    "kvguard_psi": ("psi", 1.0, "Pressure index Psi: (KV + workspace + reserve) / D x (1 + 2 F_ext + F_int); "
+                                "alerts at 0.95. A pressure score, not a probability of an OOM."),
+    "kvguard_u_kv_slope_per_second": ("slope_per_min", 1 / 60, "Slope of U_kv per second of event time "
+                                                               "(least squares over the trailing window)."),
+    "kvguard_p_oom": ("p_oom", 1.0, "Predicted probability of an OOM within the horizon (absent when no "
+                                    "model runs)."),
+    "kvguard_kv_free_units": ("free_units", 1.0, "Free allocator units of the dynamic KV pool."),
+    "kvguard_kv_largest_free_run_units": ("largest_free_run_units", 1.0,
+                                          "Largest run of contiguous free allocator units."),
+    "kvguard_kv_pool_units": ("dynamic_units", 1.0, "Allocator units of the dynamic KV pool D."),
+    "kvguard_requests_running": ("requests_running", 1.0, "Requests running on the node."),
+    "kvguard_requests_waiting": ("requests_waiting", 1.0, "Requests waiting for KV pages."),
+    "kvguard_requests_holding_pages": ("requests_holding_pages", 1.0, "Requests holding KV pages."),
 }
-# counter name -> (tick attribute holding the per-tick delta, help)
-TICK_COUNTERS: dict[str, tuple[str, str]] = {
-    "kvguard_ooms_total": ("ooms", "KV-cache OOMs (engine crashes) seen in ticks."),
-    "kvguard_preemptions_total": ("preemptions", "Requests preempted by the engine."),
-    "kvguard_evicted_pages_total": ("evicted_pages", "Pages evicted."),
-    "kvguard_evicted_requests_total": ("evicted_requests", "Requests evicted."),
-    "kvguard_alloc_failures_total": ("alloc_failures", "Failed allocations."),
+# bytes gauge name -> (tick attributes summed, help); present when the tick carries unit_bytes > 0
+TICK_BYTES: dict[str, tuple[tuple[str, ...], str]] = {
+    "kvguard_kv_free_bytes": (("free_units",), "Free bytes of the dynamic KV pool."),
+    "kvguard_kv_largest_free_run_bytes": (("largest_free_run_units",), "Largest contiguous free run, bytes."),
+    "kvguard_kv_pool_bytes": (("dynamic_units",), "Bytes of the dynamic KV pool D."),
+    "kvguard_kv_live_bytes": (("live_units",), "Bytes of live KV pages."),
+    "kvguard_kv_cached_bytes": (("cached_units", "retained_units"), "Bytes of cached (reusable) KV pages."),
+    "kvguard_kv_workspace_bytes": (("workspace_units",), "Bytes of workspace buffers in the KV pool."),
+}
+# the utilization split when a tick has no ``utilization`` map: part -> tick attribute
+UTILIZATION_PARTS: dict[str, str] = {
+    "weights": "util_weights", "kv_live": "util_kv_live", "kv_cached": "util_kv_cached",
+    "workspace": "util_workspace", "free": "util_free", "headroom": "util_headroom", "reserved": "util_reserved",
+}
+PAGE_QUANTILES: dict[str, str] = {"0.5": "pages_per_request_p50", "0.95": "pages_per_request_p95",
+                                  "0.99": "pages_per_request_p99"}
+# labelled gauge name -> (extra label, help)
+LABELLED_GAUGES: dict[str, tuple[str, str]] = {
+    "kvguard_memory_utilization_ratio": ("part", "Device memory split by use (ratio of device memory): "
+                                                 "weights, kv_live, kv_cached, workspace, free, headroom; "
+                                                 "reserved is the part of D held back."),
+    "kvguard_request_pages": ("quantile", "KV pages held per request holding pages, by quantile."),
+}
+# counter name -> (tick attribute, is a per-second rate, help); a rate attribute times tick_s is the
+# tick's count (the stream computes the rate as count / tick_s)
+TICK_COUNTERS: dict[str, tuple[str, bool, str]] = {
+    "kvguard_ooms_total": ("ooms", False, "KV-cache OOMs (engine crashes) seen in ticks."),
+    "kvguard_preemptions_total": ("preemptions", False, "Requests preempted by the engine."),
+    "kvguard_evicted_pages_total": ("evicted_pages", False, "Pages evicted."),
+    "kvguard_evicted_requests_total": ("evicted_requests", False, "Requests evicted."),
+    "kvguard_evicted_tokens_total": ("evicted_tokens", False, "Tokens of evicted KV pages."),
+    "kvguard_alloc_failures_total": ("alloc_failures", False, "Failed allocations."),
+    "kvguard_requests_arrived_total": ("arrivals", False, "Requests that arrived."),
+    "kvguard_requests_finished_total": ("finished", False, "Requests that finished."),
+    "kvguard_tokens_total": ("tokens_per_s", True, "Tokens processed (prefill and decode)."),
+    "kvguard_decode_tokens_total": ("decode_tokens_per_s", True, "Tokens decoded."),
 }
 OTHER_FAMILIES: dict[str, tuple[str, str]] = {
-    "kvguard_tick_timestamp_seconds": ("gauge", "Event time of the newest tick shown for the node."),
+    "kvguard_tick_timestamp_seconds": ("gauge", "Event time of the newest tick shown for the node (seconds since "
+                                                "the simulation started, in simulator mode)."),
+    "kvguard_node_last_seen_timestamp_seconds": ("gauge", "Wall time the exporter last received a record of the "
+                                                          "node."),
     "kvguard_budget_remaining_seconds": (
         "gauge", "Fragmentation budget left this ISO week, as of the newest budget alert of the node."),
     "kvguard_alert_firing": ("gauge", "1 while a kvguard alert is firing (from kvguard.alerts)."),
     "kvguard_dlq_records_total": ("counter", "Records dead-lettered on kvguard.dlq, by reason."),
+    "kvguard_commands_total": ("counter", "Signed commands the policy issued on kvguard.commands, by action and mode."),
     "kvguard_acks_total": ("counter", "Actuator acknowledgements on kvguard.acks, by action and outcome."),
-    "kvguard_ack_units_freed_total": ("counter", "Units freed by acknowledged commands."),
+    "kvguard_ack_units_freed_total": ("counter", "Allocator units freed by acknowledged commands."),
+    "kvguard_exporter_nodes": ("gauge", "Nodes whose series the exporter holds."),
+    "kvguard_exporter_nodes_limit": ("gauge", "Most nodes the exporter holds (records of further nodes are refused)."),
+    "kvguard_exporter_state_events_total": ("counter", "What the exporter's state did with the records it folded, "
+                                                       "by event (ticks_duplicate, nodes_expired, records_over_cap "
+                                                       "…)."),
 }
+
+
+def node_labels(node: str, model: str = "") -> tuple[str, str, str, str]:
+    """(node, gpu, model, instance) of a node id: ``<host>/gpu<i>`` gives gpu ``i`` and instance
+    ``<host>``; any other id has no gpu and is its own instance."""
+    match = _NODE_ID.match(node)
+    if match is None:
+        return node, "", model, node
+    return node, match["gpu"], model, match["host"]
+
+
+def is_simulated(ts_ns: int) -> bool:
+    """True for an event time on a simulator's clock (before 2000-01-01), not on the wall clock."""
+    return 0 <= ts_ns < SIMULATED_BEFORE_NS
 
 
 class ExportError(ValueError):
@@ -78,16 +160,19 @@ class ExportError(ValueError):
 
 @dataclass(slots=True)
 class _NodeSeries:
+    labels: tuple[str, str, str, str]  # NODE_LABELS values
     epoch: int = 0  # producer epoch of the ticks shown
     last_ts_ns: int = -1
     last_seen_ns: int = 0
     gauges: dict[str, float] = field(default_factory=dict)
+    labelled: dict[str, dict[str, float]] = field(default_factory=dict)  # LABELLED_GAUGES name -> {label: v}
     counters: dict[str, float] = field(default_factory=dict)
     seen_ts: set[int] = field(default_factory=set)
     seen_order: deque = field(default_factory=deque)
     budget: dict[str, float] = field(default_factory=dict)  # week -> remaining seconds
     firing: dict[tuple[str, str, str], str] = field(default_factory=dict)  # (alertname, severity, tier) -> fp
     alert_ts: dict[tuple[str, str, str], int] = field(default_factory=dict)  # newest transition's ts_ns
+    commands: dict[tuple[str, str], int] = field(default_factory=dict)  # (action, mode) -> count
     acks: dict[tuple[str, str], int] = field(default_factory=dict)
     units_freed: int = 0
 
@@ -118,35 +203,53 @@ class ObserveCounters:
     node_restarts: int = 0  # ticks of a newer epoch: the node's tick series started over
     alerts: int = 0
     alerts_stale: int = 0  # older than the newest transition of the same alert (ignored)
+    commands: int = 0
+    commands_duplicate: int = 0
     acks: int = 0
     acks_duplicate: int = 0
     dlq: int = 0
     dlq_duplicate: int = 0
-    nodes_expired: int = 0
+    nodes_expired: int = 0  # silent for longer than the TTL: dropped with their series
+    records_over_cap: int = 0  # of a new node while max_nodes are held: refused
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
 
 
 class ExportState:
-    """Per-node series built from consumed records; ``render(now_ns)`` gives the exposition text."""
+    """Per-node series built from consumed records; ``families(now_ns)`` gives them as
+    prometheus_client metric families, ``render(now_ns)`` as exposition text."""
 
-    def __init__(self, *, ttl_s: float = 300.0, dedupe_ticks: int = 4096, dedupe_records: int = 100_000):
+    def __init__(self, *, ttl_s: float = 300.0, max_nodes: int = 5000, dedupe_ticks: int = 512,
+                 dedupe_records: int = 100_000, model: str = ""):
         if ttl_s <= 0:
             raise ExportError("ttl_s", f"must be > 0, got {ttl_s}")
+        if max_nodes <= 0:
+            raise ExportError("max_nodes", f"must be > 0, got {max_nodes}")
         if dedupe_ticks <= 0:
             raise ExportError("dedupe_ticks", f"must be > 0, got {dedupe_ticks}")
         self.ttl_ns = int(ttl_s * NS_PER_S)
+        self.max_nodes = max_nodes
+        # a redelivery replays at most the uncommitted tail (the consumer commits every batch), so a
+        # short window per node suffices; it bounds memory at max_nodes x dedupe_ticks timestamps
         self.dedupe_ticks = dedupe_ticks
+        self.model = model
         self.nodes: dict[str, _NodeSeries] = {}
         self.dlq_by_reason: dict[str, int] = {}
         self._dlq_seen = BoundedKeys(dedupe_records)
         self._acks_seen = BoundedKeys(dedupe_records)
+        self._commands_seen = BoundedKeys(dedupe_records)
         self.counters = ObserveCounters()
-        # the exporter's own health series: name -> (type, help, {label tuple: value})
-        self.own: dict[str, tuple[str, str, dict[tuple[tuple[str, str], ...], float]]] = {}
+        self._next_room_scan_ns = 0
 
-    def _node(self, node: str, now_ns: int) -> _NodeSeries:
+    def _node(self, node: str, now_ns: int) -> _NodeSeries | None:
+        """The node's series (created if there is room); None when max_nodes others are held."""
         series = self.nodes.get(node)
         if series is None:
-            series = self.nodes[node] = _NodeSeries()
+            if len(self.nodes) >= self.max_nodes and not self._expire_for_room(now_ns):
+                self.counters.records_over_cap += 1
+                return None
+            series = self.nodes[node] = _NodeSeries(labels=node_labels(node, self.model))
         series.last_seen_ns = max(series.last_seen_ns, now_ns)
         return series
 
@@ -156,8 +259,11 @@ class ExportState:
         """Fold one ``MetricTick``; True when it was new (counted). ``now_ns`` is wall time (TTL)."""
         node, ts_ns = _required(tick, "node"), int(_required(tick, "ts_ns"))
         epoch = int(getattr(tick, "epoch", 0) or 0)
-        series = self._node(node, now_ns)
+        deltas = tick_counts(tick)  # checked before anything changes
         self.counters.ticks += 1
+        series = self._node(node, now_ns)
+        if series is None:
+            return False
         if epoch < series.epoch:
             self.counters.ticks_old_epoch += 1
             return False
@@ -165,12 +271,7 @@ class ExportState:
             self._restart(series, epoch)
         if ts_ns > series.last_ts_ns:
             series.last_ts_ns = ts_ns
-            for name, (attr, _) in TICK_GAUGES.items():
-                value = getattr(tick, attr, None)
-                if value is None:
-                    series.gauges.pop(name, None)
-                else:
-                    series.gauges[name] = float(value)
+            self._show(series, tick)
         else:
             self.counters.ticks_stale += 1
         oldest_kept = series.seen_order[0] if len(series.seen_order) >= self.dedupe_ticks else None
@@ -181,12 +282,17 @@ class ExportState:
         series.seen_order.append(ts_ns)
         if len(series.seen_order) > self.dedupe_ticks:
             series.seen_ts.discard(series.seen_order.popleft())
-        for name, (attr, _) in TICK_COUNTERS.items():
-            delta = getattr(tick, attr, 0) or 0
-            if delta < 0:
-                raise ExportError(f"{attr}", f"per-tick count must be >= 0, got {delta} (node {node}, ts_ns {ts_ns})")
-            series.counters[name] = series.counters.get(name, 0.0) + float(delta)
+        for name, delta in deltas.items():
+            series.counters[name] = series.counters.get(name, 0.0) + delta
         return True
+
+    def _show(self, series: _NodeSeries, tick: Any) -> None:
+        """The newest tick's gauges replace the node's (a value the tick lacks disappears)."""
+        model = getattr(tick, "model", "") or self.model
+        if model != series.labels[2]:
+            series.labels = node_labels(series.labels[0], model)
+        series.gauges = tick_gauges(tick)
+        series.labelled = tick_labelled_gauges(tick)
 
     def _restart(self, series: _NodeSeries, epoch: int) -> None:
         """The node's producer restarted: its tick series (and the event times they are ordered
@@ -195,6 +301,7 @@ class ExportState:
             self.counters.node_restarts += 1
         series.epoch, series.last_ts_ns = epoch, -1
         series.gauges.clear()
+        series.labelled.clear()
         series.counters.clear()
         series.seen_ts.clear()
         series.seen_order.clear()
@@ -203,8 +310,10 @@ class ExportState:
     def observe_alert(self, alert: Any, now_ns: int) -> None:
         """Track firing alerts per node and, from budget-tier alerts, the budget left."""
         node = _required(alert, "node")
-        series = self._node(node, now_ns)
         self.counters.alerts += 1
+        series = self._node(node, now_ns)
+        if series is None:
+            return
         key = (_required(alert, "name"), getattr(alert, "severity", ""), getattr(alert, "tier", ""))
         ts_ns = int(_required(alert, "ts_ns"))
         if ts_ns < series.alert_ts.get(key, ts_ns):
@@ -219,13 +328,28 @@ class ExportState:
             week = (getattr(alert, "labels", None) or {}).get("week", "")
             series.budget[week] = float(alert.threshold) - float(alert.value)
 
+    def observe_command(self, command: Any, now_ns: int) -> bool:
+        """Count one signed command by (action, mode), once per command id."""
+        if not self._commands_seen.add(_required(command, "id")):
+            self.counters.commands_duplicate += 1
+            return False
+        self.counters.commands += 1
+        series = self._node(_required(command, "node"), now_ns)
+        if series is None:
+            return False
+        key = (getattr(command, "action", "") or "", getattr(command, "mode", "") or "")
+        series.commands[key] = series.commands.get(key, 0) + 1
+        return True
+
     def observe_ack(self, ack: Any, now_ns: int) -> bool:
         # an actuator acks a redelivered command again with outcome "duplicate": a distinct ack
         if not self._acks_seen.add((_required(ack, "node"), _required(ack, "command_id"), ack.outcome)):
             self.counters.acks_duplicate += 1
             return False
-        series = self._node(ack.node, now_ns)
         self.counters.acks += 1
+        series = self._node(ack.node, now_ns)
+        if series is None:
+            return False
         key = (getattr(ack, "action", "") or "", ack.outcome)
         series.acks[key] = series.acks.get(key, 0) + 1
         series.units_freed += int(getattr(ack, "units_freed", 0) or 0)
@@ -241,10 +365,13 @@ class ExportState:
         self.dlq_by_reason[record.reason] = self.dlq_by_reason.get(record.reason, 0) + 1
         return True
 
-    def set_own(self, name: str, metric_type: str, help_text: str, value: float, labels: dict[str, str]) -> None:
-        """Set one of the exporter's own series (forwarder queue, decode errors …)."""
-        family = self.own.setdefault(name, (metric_type, help_text, {}))
-        family[2][tuple(sorted(labels.items()))] = float(value)
+    def _expire_for_room(self, now_ns: int) -> bool:
+        """Expire idle nodes to make room, scanning at most once a second of wall time (a fleet
+        larger than the cap would otherwise scan every node for each refused record)."""
+        if now_ns < self._next_room_scan_ns:
+            return False
+        self._next_room_scan_ns = now_ns + NS_PER_S
+        return bool(self.expire(now_ns))
 
     def expire(self, now_ns: int) -> list[str]:
         """Drop nodes silent for longer than the TTL; returns their names."""
@@ -254,78 +381,162 @@ class ExportState:
         self.counters.nodes_expired += len(gone)
         return gone
 
-    # -- rendering ------------------------------------------------------------------------------
+    # -- exposition -----------------------------------------------------------------------------
 
-    def render(self, now_ns: int) -> str:
-        """The exposition text after dropping stale nodes (HELP/TYPE once per family)."""
+    def families(self, now_ns: int) -> list[Metric]:
+        """Every non-empty metric family after dropping stale nodes, nodes sorted by id."""
         self.expire(now_ns)
-        out = _Exposition()
-        nodes = sorted(self.nodes.items())
-        for name, (_, help_text) in TICK_GAUGES.items():
-            out.family(name, "gauge", help_text,
-                       [({"node": n}, s.gauges[name]) for n, s in nodes if name in s.gauges])
-        out.family("kvguard_tick_timestamp_seconds", "gauge", OTHER_FAMILIES["kvguard_tick_timestamp_seconds"][1],
-                   [({"node": n}, s.last_ts_ns / NS_PER_S) for n, s in nodes if s.last_ts_ns >= 0])
-        for name, (_, help_text) in TICK_COUNTERS.items():
-            out.family(name, "counter", help_text,
-                       [({"node": n}, s.counters[name]) for n, s in nodes if name in s.counters])
-        kind, help_text = OTHER_FAMILIES["kvguard_budget_remaining_seconds"]
-        out.family("kvguard_budget_remaining_seconds", kind, help_text,
-                   [({"node": n, "week": w}, v) for n, s in nodes for w, v in sorted(s.budget.items())])
-        kind, help_text = OTHER_FAMILIES["kvguard_alert_firing"]
-        out.family("kvguard_alert_firing", kind, help_text,
-                   [({"node": n, "alertname": a, "severity": sev, "tier": t}, 1.0)
-                    for n, s in nodes for (a, sev, t) in sorted(s.firing)])
-        kind, help_text = OTHER_FAMILIES["kvguard_dlq_records_total"]
-        out.family("kvguard_dlq_records_total", kind, help_text,
-                   [({"reason": r}, v) for r, v in sorted(self.dlq_by_reason.items())])
-        kind, help_text = OTHER_FAMILIES["kvguard_acks_total"]
-        out.family("kvguard_acks_total", kind, help_text,
-                   [({"node": n, "action": a, "outcome": o}, v)
-                    for n, s in nodes for (a, o), v in sorted(s.acks.items())])
-        kind, help_text = OTHER_FAMILIES["kvguard_ack_units_freed_total"]
-        out.family("kvguard_ack_units_freed_total", kind, help_text,
-                   [({"node": n}, s.units_freed) for n, s in nodes if s.acks])
-        for name, (kind, help_text, samples) in sorted(self.own.items()):
-            out.family(name, kind, help_text, [(dict(labels), v) for labels, v in sorted(samples.items())])
-        return out.text()
+        nodes = [s for _, s in sorted(self.nodes.items())]
+        out = _Families()
+        for name, (_, _, help_text) in TICK_GAUGES.items():
+            out.per_node(name, "gauge", help_text, ((s, (), s.gauges[name]) for s in nodes if name in s.gauges))
+        for name, (_, help_text) in TICK_BYTES.items():
+            out.per_node(name, "gauge", help_text, ((s, (), s.gauges[name]) for s in nodes if name in s.gauges))
+        for name, (label, help_text) in LABELLED_GAUGES.items():
+            out.per_node(name, "gauge", help_text, ((s, (k,), v) for s in nodes
+                                                    for k, v in sorted(s.labelled.get(name, {}).items())), (label,))
+        self._event_families(out, nodes)
+        for name, (_, _, help_text) in TICK_COUNTERS.items():
+            out.per_node(name, "counter", help_text,
+                         ((s, (), s.counters[name]) for s in nodes if name in s.counters))
+        self._record_families(out, nodes)
+        self._own_families(out)
+        return out.non_empty()
+
+    def _event_families(self, out: _Families, nodes: list[_NodeSeries]) -> None:
+        out.per_node("kvguard_tick_timestamp_seconds", *_other("kvguard_tick_timestamp_seconds"),
+                     ((s, (), s.last_ts_ns / NS_PER_S) for s in nodes if s.last_ts_ns >= 0))
+        out.per_node("kvguard_node_last_seen_timestamp_seconds",
+                     *_other("kvguard_node_last_seen_timestamp_seconds"),
+                     ((s, (), s.last_seen_ns / NS_PER_S) for s in nodes))
+        out.per_node("kvguard_budget_remaining_seconds", *_other("kvguard_budget_remaining_seconds"),
+                     ((s, (w,), v) for s in nodes for w, v in sorted(s.budget.items())), ("week",))
+        out.per_node("kvguard_alert_firing", *_other("kvguard_alert_firing"),
+                     ((s, key, 1.0) for s in nodes for key in sorted(s.firing)), ("alertname", "severity", "tier"))
+
+    def _record_families(self, out: _Families, nodes: list[_NodeSeries]) -> None:
+        out.per_node("kvguard_commands_total", *_other("kvguard_commands_total"),
+                     ((s, key, v) for s in nodes for key, v in sorted(s.commands.items())), ("action", "mode"))
+        out.per_node("kvguard_acks_total", *_other("kvguard_acks_total"),
+                     ((s, key, v) for s in nodes for key, v in sorted(s.acks.items())), ("action", "outcome"))
+        out.per_node("kvguard_ack_units_freed_total", *_other("kvguard_ack_units_freed_total"),
+                     ((s, (), s.units_freed) for s in nodes if s.acks))
+        out.plain("kvguard_dlq_records_total", *_other("kvguard_dlq_records_total"),
+                  [((r,), v) for r, v in sorted(self.dlq_by_reason.items())], ("reason",))
+
+    def _own_families(self, out: _Families) -> None:
+        out.plain("kvguard_exporter_nodes", *_other("kvguard_exporter_nodes"), [((), len(self.nodes))])
+        out.plain("kvguard_exporter_nodes_limit", *_other("kvguard_exporter_nodes_limit"), [((), self.max_nodes)])
+        out.plain("kvguard_exporter_state_events_total", *_other("kvguard_exporter_state_events_total"),
+                  [((event,), n) for event, n in self.counters.as_dict().items()], ("event",))
+
+    def render(self, now_ns: int, *, openmetrics: bool = False) -> str:
+        """The exposition text (the 0.0.4 text format, or OpenMetrics) after dropping stale nodes."""
+        return encode(ExportCollector(self, lambda: now_ns), openmetrics=openmetrics).decode()
 
 
-class _Exposition:
+class ExportCollector:
+    """A prometheus_client custom collector over an ``ExportState``: register it on a
+    ``CollectorRegistry`` (``registry.register(ExportCollector(state, time.time_ns))``). ``clock``
+    gives the wall time, in ns, that the TTL is measured against at each scrape."""
+
+    def __init__(self, state: ExportState, clock: Callable[[], int]):
+        self.state, self.clock = state, clock
+
+    def collect(self) -> Iterable[Metric]:
+        return self.state.families(self.clock())
+
+
+class _Collectors:
+    def __init__(self, collectors: tuple[Any, ...]):
+        self.collectors = collectors
+
+    def collect(self) -> Iterable[Metric]:
+        for collector in self.collectors:
+            yield from collector.collect()
+
+
+def encode(*collectors: Any, openmetrics: bool = False) -> bytes:
+    """The families of ``collectors`` (anything with ``collect()``, a registry too) in the 0.0.4
+    text format, or in OpenMetrics (``# EOF`` terminated)."""
+    source = _Collectors(collectors)
+    return _openmetrics_format(source) if openmetrics else _text_format(source)
+
+
+def wants_openmetrics(accept: str) -> bool:
+    """True when an HTTP ``Accept`` header asks for OpenMetrics (Prometheus does by default)."""
+    return "application/openmetrics-text" in (accept or "")
+
+
+class _Families:
+    """Collects metric families in exposition order; empty ones are left out."""
+
     def __init__(self) -> None:
-        self.lines: list[str] = []
+        self.families: list[Metric] = []
 
-    def family(self, name: str, kind: str, help_text: str, samples: list[tuple[dict[str, str], float]]) -> None:
-        if not samples:
-            return
-        self.lines.append(f"# HELP {name} {_escape_help(help_text)}")
-        self.lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            label_text = ",".join(f'{k}="{_escape_label(str(v))}"' for k, v in labels.items())
-            self.lines.append(f"{name}{{{label_text}}} {format_value(value)}" if labels
-                              else f"{name} {format_value(value)}")
+    def per_node(self, name: str, kind: str, help_text: str,
+                 samples: Iterable[tuple[_NodeSeries, tuple[str, ...], float]], extra: tuple[str, ...] = ()) -> None:
+        family = _family(name, kind, help_text, NODE_LABELS + extra)
+        for series, values, value in samples:
+            family.add_metric([*series.labels, *values], float(value))
+        self.families.append(family)
 
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n" if self.lines else ""
+    def plain(self, name: str, kind: str, help_text: str, samples: Iterable[tuple[tuple[str, ...], float]],
+              labels: tuple[str, ...] = ()) -> None:
+        family = _family(name, kind, help_text, labels)
+        for values, value in samples:
+            family.add_metric(list(values), float(value))
+        self.families.append(family)
 
-
-def format_value(value: float) -> str:
-    value = float(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if value.is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return repr(value)
+    def non_empty(self) -> list[Metric]:
+        return [family for family in self.families if family.samples]
 
 
-def _escape_label(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def _family(name: str, kind: str, help_text: str, labels: tuple[str, ...]) -> Metric:
+    if kind == "counter":
+        return CounterMetricFamily(name, help_text, labels=list(labels))
+    return GaugeMetricFamily(name, help_text, labels=list(labels))
 
 
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
+def _other(name: str) -> tuple[str, str]:
+    return OTHER_FAMILIES[name]
+
+
+def tick_gauges(tick: Any) -> dict[str, float]:
+    """The unlabelled gauges of one tick: TICK_GAUGES, and TICK_BYTES when it carries ``unit_bytes``."""
+    out = {}
+    for name, (attr, factor, _) in TICK_GAUGES.items():
+        value = getattr(tick, attr, None)
+        if value is not None:
+            out[name] = float(value) * factor
+    unit_bytes = int(getattr(tick, "unit_bytes", 0) or 0)
+    if unit_bytes > 0:
+        for name, (attrs, _) in TICK_BYTES.items():
+            out[name] = float(sum(int(getattr(tick, a, 0) or 0) for a in attrs) * unit_bytes)
+    return out
+
+
+def tick_labelled_gauges(tick: Any) -> dict[str, dict[str, float]]:
+    """The utilization split (the tick's ``utilization`` map, else its util_* fields) and the
+    per-request page quantiles, by their extra label's value."""
+    split = getattr(tick, "utilization", None) or {
+        part: getattr(tick, attr) for part, attr in UTILIZATION_PARTS.items() if getattr(tick, attr, None) is not None}
+    pages = {q: getattr(tick, attr) for q, attr in PAGE_QUANTILES.items() if getattr(tick, attr, None) is not None}
+    return {"kvguard_memory_utilization_ratio": {str(k): float(v) for k, v in split.items()},
+            "kvguard_request_pages": {q: float(v) for q, v in pages.items()}}
+
+
+def tick_counts(tick: Any) -> dict[str, float]:
+    """The tick's count for each counter (a rate times ``tick_s``); ExportError when one is negative."""
+    tick_s = float(getattr(tick, "tick_s", 0.0) or 0.0)
+    out = {}
+    for name, (attr, per_second, _) in TICK_COUNTERS.items():
+        value = float(getattr(tick, attr, 0) or 0)
+        count = round(value * tick_s) if per_second else value
+        if count < 0:
+            raise ExportError(attr, f"per-tick count must be >= 0, got {value} (node {tick.node}, ts_ns {tick.ts_ns})")
+        out[name] = float(count)
+    return out
 
 
 def _required(obj: Any, name: str) -> Any:
@@ -359,13 +570,31 @@ def rfc3339(ts_ns: int) -> str:
     return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def alertmanager_alert(alert: Any, *, generator_url: str = "", valid_until_ns: int | None = None) -> dict[str, Any]:
+# alertname -> its runbook (docs/runbooks/), put on forwarded alerts as the Prometheus rules do
+RUNBOOKS: dict[str, str] = {
+    "KVCacheUsageHigh": "kv-cache-usage.md", "KVCacheUsageCritical": "kv-cache-usage.md",
+    "KVCacheUsageRising": "kv-cache-usage.md", "KVCachePressureCritical": "kv-cache-pressure.md",
+    "KVCacheOOMRisk": "kv-cache-oom-risk.md", "KVCacheOOMPredicted": "kv-cache-oom-predicted.md",
+    "KVCacheOOMOccurred": "kv-cache-oom-occurred.md", "FragmentationBudgetExhausted": "fragmentation-budget.md",
+}
+RUNBOOK_PREFIX = "docs/runbooks/"
+
+
+def alertmanager_alert(alert: Any, *, generator_url: str = "", valid_until_ns: int | None = None,
+                       received_ns: int | None = None, first_received_ns: int | None = None) -> dict[str, Any]:
     """One ``kvguard.alerts`` record as an Alertmanager v2 postable alert.
 
     A firing alert carries ``endsAt`` = ``valid_until_ns`` when given (the sender promises to
     resend before then, as Prometheus does), else none (Alertmanager then keeps it for its
     ``resolve_timeout``). A resolved one carries ``endsAt`` = the record's ``ends_at_ns`` (else its
     ``ts_ns``), which is what makes Alertmanager resolve it.
+
+    Times are the record's event times, which on a fleet are wall times. A simulator's event time
+    (``is_simulated``: it starts at 0) would read as 1970, so then, when the caller passes the wall
+    time it received the record (``received_ns``) and the episode's first record
+    (``first_received_ns``), ``startsAt``/``endsAt`` are those wall times of receipt; the
+    ``event_time`` annotation always gives the record's own event time, and ``time_source`` says
+    which clock ``startsAt`` is on.
     """
     node, name = _required(alert, "node"), _required(alert, "name")
     status = getattr(alert, "status", "") or "firing"
@@ -373,6 +602,29 @@ def alertmanager_alert(alert: Any, *, generator_url: str = "", valid_until_ns: i
         raise ExportError("status", f"expected firing or resolved, got {status!r} (alert {name} on {node})")
     labels = {str(k): str(v) for k, v in (getattr(alert, "labels", None) or {}).items()}
     labels.update({"alertname": name, "node": node, "severity": alert.severity, "tier": alert.tier})
+    annotations = _annotations(alert, name)
+    started_ns = int(getattr(alert, "started_at_ns", 0) or 0) or int(alert.ts_ns)
+    ends_ns = getattr(alert, "ends_at_ns", None)
+    ends_ns = int(ends_ns) if ends_ns is not None else int(alert.ts_ns)
+    simulated = is_simulated(started_ns)
+    if simulated and received_ns is not None:
+        started_ns, ends_ns = first_received_ns or received_ns, received_ns
+        annotations["event_time"] = f"{int(alert.ts_ns) / NS_PER_S:.1f} s on the simulator's clock"
+        annotations["time_source"] = "wall time of receipt (simulated event time)"
+    else:
+        annotations["event_time"] = rfc3339(int(alert.ts_ns))
+        annotations["time_source"] = "simulated event time" if simulated else "event time"
+    out: dict[str, Any] = {"labels": labels, "annotations": annotations, "startsAt": rfc3339(started_ns)}
+    if status == "resolved":
+        out["endsAt"] = rfc3339(ends_ns)
+    elif valid_until_ns is not None:
+        out["endsAt"] = rfc3339(valid_until_ns)
+    if generator_url:
+        out["generatorURL"] = generator_url
+    return out
+
+
+def _annotations(alert: Any, name: str) -> dict[str, str]:
     annotations = {str(k): str(v) for k, v in (getattr(alert, "annotations", None) or {}).items()}
     summary = getattr(alert, "summary", "") or annotations.get("summary", "")
     if summary:
@@ -381,20 +633,16 @@ def alertmanager_alert(alert: Any, *, generator_url: str = "", valid_until_ns: i
         value = getattr(alert, attr, None)
         if value is not None:
             annotations[attr] = f"{float(value):.6g}"
+    if name in RUNBOOKS:
+        annotations.setdefault("runbook_url", RUNBOOK_PREFIX + RUNBOOKS[name])
     annotations["fingerprint"] = alert_fingerprint(alert)
-    started_ns = int(getattr(alert, "started_at_ns", 0) or 0) or int(alert.ts_ns)
-    out: dict[str, Any] = {"labels": labels, "annotations": annotations, "startsAt": rfc3339(started_ns)}
-    if status == "resolved":
-        ends_ns = getattr(alert, "ends_at_ns", None)
-        out["endsAt"] = rfc3339(int(ends_ns) if ends_ns is not None else int(alert.ts_ns))
-    elif valid_until_ns is not None:
-        out["endsAt"] = rfc3339(valid_until_ns)
-    if generator_url:
-        out["generatorURL"] = generator_url
-    return out
+    return annotations
 
 
-def webhook_payload(alert: Any, record: dict[str, Any], *, generator_url: str = "") -> dict[str, Any]:
+def webhook_payload(alert: Any, record: dict[str, Any], *, generator_url: str = "", received_ns: int | None = None,
+                    first_received_ns: int | None = None) -> dict[str, Any]:
     """The generic JSON webhook body (a chat bridge): the Alertmanager view plus the raw record."""
+    view = alertmanager_alert(alert, generator_url=generator_url, received_ns=received_ns,
+                              first_received_ns=first_received_ns)
     return {"version": "kvguard.export/1", "status": getattr(alert, "status", "") or "firing",
-            "alert": alertmanager_alert(alert, generator_url=generator_url), "record": record}
+            "alert": view, "record": record}

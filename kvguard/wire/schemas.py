@@ -320,6 +320,7 @@ class MetricTick(WireModel):
     util_activation: float = 0.0
     util_reserved_unused: float = 0.0
     partial: bool = False
+    unit_bytes: int = 0
 
     def to_tick(self) -> Tick:
         """The core's tick from this validated record: fields the record does not carry take the

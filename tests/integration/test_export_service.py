@@ -12,8 +12,8 @@ from aiohttp import web
 from kvguard.bus.kafka import KafkaBus
 from kvguard.contracts.units import NS_PER_S
 from kvguard.ops.export_service import EXPORT_KINDS, ExportService
-from kvguard.ops.exporter import rfc3339
-from kvguard.wire.schemas import Ack, Alert, DlqRecord, MetricTick, make_headers
+from kvguard.ops.exporter import ExportError, rfc3339
+from kvguard.wire.schemas import Ack, Alert, Command, DlqRecord, MetricTick, make_headers
 from tests.unit.test_exporter import parse, value
 
 NODES = ("sim-0/gpu0", "sim-0/gpu1")
@@ -132,10 +132,11 @@ async def test_scrape_shows_newest_ticks_and_counts_redeliveries_once(bus, kafka
 
 
 def stream_alert(status: str, ts_s: int, **kw) -> Alert:
-    return Alert(node=NODES[0], ts_ns=ts_s * NS_PER_S, name="KVCacheOOMRisk", tier="slope", severity="critical",
-                 status=status, fingerprint="fp-oomrisk-gpu0", started_at_ns=1_800_000_000 * NS_PER_S,
-                 ends_at_ns=ts_s * NS_PER_S if status == "resolved" else None, value=0.6, threshold=0.5,
-                 summary="nearly full and fragmented", **kw)
+    fields = dict(node=NODES[0], ts_ns=ts_s * NS_PER_S, name="KVCacheOOMRisk", tier="slope", severity="critical",
+                  status=status, fingerprint="fp-oomrisk-gpu0", started_at_ns=1_800_000_000 * NS_PER_S,
+                  ends_at_ns=ts_s * NS_PER_S if status == "resolved" else None, value=0.6, threshold=0.5,
+                  summary="nearly full and fragmented")
+    return Alert(**{**fields, **kw})
 
 
 async def test_alerts_reach_alertmanager_and_webhook_once_then_resolve(bus, kafka_settings):
@@ -224,6 +225,54 @@ def test_cli_serves_and_reports_counters(kafka_settings, tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "/metrics; alerts -> no alert receivers" in done.stderr
-    assert json.loads(done.stdout)["records"] == {"metrics": 0, "alerts": 0, "acks": 0, "dlq": 0}
+    assert json.loads(done.stdout)["records"] == {"metrics": 0, "alerts": 0, "commands": 0, "acks": 0, "dlq": 0}
     bad = subprocess.run([*cli, "--listen", "nowhere"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "expected HOST:PORT" in bad.stderr
+
+
+async def scrape_openmetrics(url: str) -> str:
+    headers = {"Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"}
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics", headers=headers) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("application/openmetrics-text")
+        return await response.text()
+
+
+async def test_openmetrics_when_asked_commands_counted_and_the_paging_path_served(bus, kafka_settings):
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    command = Command(id="cmd-7", node=NODES[0], action="evict", mode="default", issued_at_ns=NS_PER_S, ttl_ns=NS_PER_S)
+    async with service_for(bus, kafka_settings, paging="prometheus") as service:
+        await publish(bus, kafka_settings, "metrics", [tick(NODES[0], 10, 0.5, ooms=1)])
+        await publish(bus, kafka_settings, "commands", [command, command])
+        await wait_for(lambda: service.records["metrics"] == 1 and service.records["commands"] == 2, "records")
+        families = {f.name: f for f in text_string_to_metric_families(await scrape_openmetrics(service.url))}
+        samples, _ = await scrape(service.url)
+    assert families["kvguard_ooms"].type == "counter"
+    assert value(samples, "kvguard_commands_total", node=NODES[0], action="evict") == 1
+    assert value(samples, "kvguard_exporter_paging_info", path="prometheus") == 1
+    assert value(samples, "kvguard_u_kv", node=NODES[0], gpu="0", instance="sim-0") == pytest.approx(0.5)
+    assert value(samples, "kvguard_exporter_last_record_timestamp_seconds", kind="metrics") > 1.7e9
+
+
+def test_paging_through_prometheus_refuses_a_second_path_to_alertmanager(kafka_settings):
+    with pytest.raises(ExportError, match="page each alert twice"):
+        service_for(None, kafka_settings, paging="prometheus", alertmanager_url="http://127.0.0.1:9")
+
+
+async def test_a_simulated_alert_reaches_alertmanager_with_wall_times_not_1970(bus, kafka_settings):
+    firing = stream_alert("firing", 583, started_at_ns=563 * NS_PER_S)
+    resolved = stream_alert("resolved", 600, started_at_ns=563 * NS_PER_S)
+    before = rfc3339(time.time_ns() - NS_PER_S)
+    async with FakeAlertmanager() as receiver, service_for(
+            bus, kafka_settings, alertmanager_url=receiver.url, webhook_url=f"{receiver.url}/hook"):
+        await publish(bus, kafka_settings, "alerts", [firing])
+        await wait_for(lambda: receiver.alerts and receiver.hooks, "the firing alert")
+        await asyncio.sleep(0.05)
+        await publish(bus, kafka_settings, "alerts", [resolved])
+        await wait_for(lambda: len(receiver.alerts) >= 2 and len(receiver.hooks) >= 2, "the resolved alert")
+    first, last = receiver.alerts[0], receiver.alerts[-1]
+    assert first["startsAt"] >= before and last["startsAt"] == first["startsAt"]
+    assert last["endsAt"] > first["startsAt"]
+    assert first["annotations"]["event_time"].startswith("583.0 s")
+    assert all(h["alert"]["startsAt"] == first["startsAt"] for h in receiver.hooks)

@@ -1,4 +1,5 @@
-"""The exporter's pure part: exposition text, idempotent folding of ticks, alert mapping."""
+"""The exporter's pure part: exposition text (prometheus_client's encoders over our collector),
+idempotent folding of ticks, labels and units, the node cap, alert mapping."""
 
 import re
 from datetime import datetime
@@ -11,14 +12,14 @@ from kvguard.ops.exporter import (
     ExportState,
     alert_dedupe_key,
     alertmanager_alert,
-    format_value,
+    node_labels,
     rfc3339,
     webhook_payload,
 )
-from kvguard.wire.schemas import Ack, Alert, DlqRecord, MetricTick
+from kvguard.wire.schemas import Ack, Alert, Command, DlqRecord, MetricTick
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? (\S+)$')
-RULES_METRICS = {"kvguard_u_kv", "kvguard_f_ext", "kvguard_f_int", "kvguard_psi", "kvguard_u_kv_slope_per_min",
+RULES_METRICS = {"kvguard_u_kv", "kvguard_f_ext", "kvguard_f_int", "kvguard_psi", "kvguard_u_kv_slope_per_second",
                  "kvguard_p_oom", "kvguard_ooms_total", "kvguard_budget_remaining_seconds",
                  "kvguard_dlq_records_total"}
 
@@ -49,7 +50,12 @@ def parse(text: str) -> tuple[dict[tuple[str, frozenset], float], dict[str, str]
 
 
 def value(samples, name, **labels):
-    return samples[(name, frozenset(labels.items()))]
+    """The one sample of ``name`` whose labels include ``labels`` (the node's gpu/model/instance
+    labels need not be spelled out)."""
+    wanted = set(labels.items())
+    found = [v for (n, have), v in samples.items() if n == name and wanted <= have]
+    assert len(found) == 1, f"{len(found)} samples of {name} match {labels}"
+    return found[0]
 
 
 def test_exposition_is_parseable_with_help_and_type_once_per_family():
@@ -183,14 +189,11 @@ def test_firing_gauge_follows_firing_and_resolved_alerts():
     state = ExportState()
     fired = Alert(node="n", ts_ns=NS_PER_S, name="KVCacheUsageHigh", tier="threshold", severity="warning")
     state.observe_alert(fired, now_ns=0)
-    assert 'kvguard_alert_firing{node="n",alertname="KVCacheUsageHigh"' in state.render(now_ns=0)
+    samples, _, _ = parse(state.render(now_ns=0))
+    assert value(samples, "kvguard_alert_firing", node="n", alertname="KVCacheUsageHigh", severity="warning",
+                 tier="threshold") == 1
     state.observe_alert(fired.model_copy(update={"status": "resolved"}), now_ns=0)
     assert "kvguard_alert_firing" not in state.render(now_ns=0)
-
-
-def test_values_format_as_prometheus_floats():
-    assert [format_value(v) for v in (1.0, 0.25, float("nan"), float("inf"), -float("inf"))] == \
-        ["1", "0.25", "NaN", "+Inf", "-Inf"]
 
 
 def test_bad_settings_and_records_name_the_field():
@@ -273,3 +276,143 @@ def test_the_exporter_core_imports_no_aiohttp_pydantic_or_kafka():
             "print(','.join(m for m in ('aiohttp', 'pydantic', 'aiokafka', 'faust', 'redis') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+# ---- prometheus_client exposition, labels, units, bounds -----------------------------------------
+
+
+def duck_tick(**fields):
+    """A tick with fields the wire model does not carry yet (model, unit_bytes): the state is duck-typed."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{**tick().model_dump(), **fields})
+
+
+def test_both_formats_parse_with_prometheus_clients_own_parsers():
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
+    from prometheus_client.parser import text_string_to_metric_families as text_families
+
+    state = ExportState()
+    state.observe_tick(tick(ooms=1, p_oom=0.2, tokens_per_s=3.0, tick_s=10.0), now_ns=0)
+    state.observe_ack(Ack(command_id="c", node="sim-0/gpu0", outcome="executed", executed_at_ns=1, action="evict"),
+                      now_ns=0)
+    text, openmetrics = state.render(now_ns=0), state.render(now_ns=0, openmetrics=True)
+    assert openmetrics.endswith("# EOF\n") and "# EOF" not in text
+    om = {f.name: f for f in openmetrics_families(openmetrics)}
+    classic = {f.name: f for f in text_families(text)}
+    assert om["kvguard_ooms"].type == "counter" and om["kvguard_ooms"].samples[0].name == "kvguard_ooms_total"
+    assert classic["kvguard_ooms"].type == "counter" and om["kvguard_u_kv"].type == "gauge"
+    assert set(om) == set(classic)
+
+
+def test_series_are_labelled_node_gpu_model_instance():
+    state = ExportState(model="llama-3-8b")
+    state.observe_tick(tick(node="host-a/gpu3"), now_ns=0)
+    state.observe_tick(tick(node="pod-x:0"), now_ns=0)
+    state.observe_tick(duck_tick(node="host-b/gpu0", model="qwen-7b"), now_ns=0)
+    samples, _, _ = parse(state.render(now_ns=0))
+    labels = {dict(have)["node"]: dict(have) for (name, have) in samples if name == "kvguard_u_kv"}
+    assert labels["host-a/gpu3"] == {"node": "host-a/gpu3", "gpu": "3", "model": "llama-3-8b", "instance": "host-a"}
+    assert labels["pod-x:0"] == {"node": "pod-x:0", "gpu": "", "model": "llama-3-8b", "instance": "pod-x:0"}
+    assert labels["host-b/gpu0"]["model"] == "qwen-7b"
+    assert node_labels("a/b/gpu12") == ("a/b/gpu12", "12", "", "a/b")
+
+
+def test_rates_are_counters_and_the_slope_is_per_second():
+    state = ExportState()
+    for ts_s in (10, 20):
+        state.observe_tick(tick(ts_s=ts_s, tokens_per_s=12.5, decode_tokens_per_s=2.0, tick_s=10.0,
+                                alloc_fail_per_s=0.3, alloc_failures=3, arrivals=4, finished=2), now_ns=0)
+    samples, types, _ = parse(state.render(now_ns=0))
+    assert value(samples, "kvguard_tokens_total", node="sim-0/gpu0") == 250
+    assert value(samples, "kvguard_decode_tokens_total", node="sim-0/gpu0") == 40
+    assert value(samples, "kvguard_alloc_failures_total", node="sim-0/gpu0") == 6
+    assert value(samples, "kvguard_requests_arrived_total", node="sim-0/gpu0") == 8
+    assert types["kvguard_tokens_total"] == "counter"
+    assert not [n for n in types if n.endswith("_per_second") and n != "kvguard_u_kv_slope_per_second"]
+    assert value(samples, "kvguard_u_kv_slope_per_second", node="sim-0/gpu0") == pytest.approx(0.01 / 60)
+
+
+def test_allocator_units_become_bytes_only_where_the_tick_gives_the_unit_size():
+    state = ExportState()
+    state.observe_tick(tick(node="a/gpu0", free_units=10, largest_free_run_units=4, dynamic_units=100), now_ns=0)
+    state.observe_tick(duck_tick(node="b/gpu0", free_units=10, largest_free_run_units=4, dynamic_units=100,
+                                 live_units=60, cached_units=5, retained_units=1, unit_bytes=2048), now_ns=0)
+    samples, _, _ = parse(state.render(now_ns=0))
+    assert value(samples, "kvguard_kv_free_units", node="a/gpu0") == 10
+    assert value(samples, "kvguard_kv_free_bytes", node="b/gpu0") == 10 * 2048
+    assert value(samples, "kvguard_kv_pool_bytes", node="b/gpu0") == 100 * 2048
+    assert value(samples, "kvguard_kv_cached_bytes", node="b/gpu0") == 6 * 2048
+    assert not [have for (name, have) in samples if name == "kvguard_kv_free_bytes" and ("node", "a/gpu0") in have]
+
+
+def test_utilization_split_and_page_quantiles_are_labelled_gauges():
+    state = ExportState()
+    state.observe_tick(tick(util_weights=0.4, util_kv_live=0.3, util_free=0.2, pages_per_request_p50=3,
+                            pages_per_request_p99=40), now_ns=0)
+    state.observe_tick(tick(node="m/gpu0", utilization={"weights": 0.5, "allocator_reserved": 0.1}), now_ns=0)
+    samples, _, _ = parse(state.render(now_ns=0))
+    assert value(samples, "kvguard_memory_utilization_ratio", node="sim-0/gpu0", part="kv_live") == 0.3
+    assert value(samples, "kvguard_memory_utilization_ratio", node="m/gpu0", part="allocator_reserved") == 0.1
+    assert value(samples, "kvguard_request_pages", node="sim-0/gpu0", quantile="0.99") == 40
+
+
+def test_the_node_cap_refuses_new_nodes_until_an_idle_one_expires_and_counts_both():
+    state = ExportState(max_nodes=2, ttl_s=60)
+    assert state.observe_tick(tick(node="a"), now_ns=0) and state.observe_tick(tick(node="b"), now_ns=0)
+    assert state.observe_tick(tick(node="c"), now_ns=10 * NS_PER_S) is False
+    state.observe_alert(Alert(node="c", ts_ns=1, name="KVCacheUsageHigh", tier="threshold", severity="warning"),
+                        now_ns=10 * NS_PER_S)
+    assert set(state.nodes) == {"a", "b"} and state.counters.records_over_cap == 2
+    state.observe_tick(tick(node="b", ts_s=20), now_ns=50 * NS_PER_S)
+    assert state.observe_tick(tick(node="c"), now_ns=70 * NS_PER_S) is True  # "a" was idle past the TTL
+    assert set(state.nodes) == {"b", "c"} and state.counters.nodes_expired == 1
+    samples, _, _ = parse(state.render(now_ns=70 * NS_PER_S))
+    assert value(samples, "kvguard_exporter_nodes") == 2 and value(samples, "kvguard_exporter_nodes_limit") == 2
+    assert value(samples, "kvguard_exporter_state_events_total", event="records_over_cap") == 2
+    assert value(samples, "kvguard_exporter_state_events_total", event="nodes_expired") == 1
+    with pytest.raises(ExportError, match="max_nodes"):
+        ExportState(max_nodes=0)
+
+
+def test_commands_are_counted_once_per_id():
+    state = ExportState()
+    command = Command(id="cmd-1", node="sim-0/gpu0", action="evict", mode="emergency", issued_at_ns=1, ttl_ns=10)
+    assert state.observe_command(command, now_ns=0) and not state.observe_command(command, now_ns=0)
+    samples, _, _ = parse(state.render(now_ns=0))
+    assert value(samples, "kvguard_commands_total", node="sim-0/gpu0", action="evict", mode="emergency") == 1
+
+
+def test_help_texts_make_no_claim_that_psi_above_one_means_an_unavoidable_oom():
+    state = ExportState()
+    state.observe_tick(tick(), now_ns=0)
+    assert "unavoidable" not in state.render(now_ns=0)
+
+
+def test_a_simulated_alert_starts_at_the_wall_time_it_was_received_not_1970():
+    simulated = stream_alert(ts_ns=583 * NS_PER_S, started_at_ns=563 * NS_PER_S)
+    wall_first, wall_now = 1_800_000_000 * NS_PER_S, 1_800_000_020 * NS_PER_S
+    out = alertmanager_alert(simulated, received_ns=wall_now, first_received_ns=wall_first)
+    assert out["startsAt"] == rfc3339(wall_first) and out["annotations"]["event_time"].startswith("583.0 s")
+    assert "wall time of receipt" in out["annotations"]["time_source"]
+    resolved = alertmanager_alert(stream_alert("resolved", ts_ns=600 * NS_PER_S, started_at_ns=563 * NS_PER_S,
+                                               ends_at_ns=600 * NS_PER_S), received_ns=wall_now,
+                                  first_received_ns=wall_first)
+    assert resolved["endsAt"] == rfc3339(wall_now)
+    real = alertmanager_alert(stream_alert(), received_ns=wall_now)  # a fleet's event time is wall time
+    assert real["startsAt"] == rfc3339(1_799_999_000 * NS_PER_S) and real["annotations"]["time_source"] == "event time"
+    assert real["annotations"]["runbook_url"] == "docs/runbooks/kv-cache-oom-risk.md"
+
+
+def test_the_collector_registers_on_a_prometheus_client_registry_and_expires_on_its_clock():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvguard.ops.exporter import ExportCollector
+
+    state, now = ExportState(ttl_s=60), [0]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ExportCollector(state, lambda: now[0]))
+    state.observe_tick(tick(), now_ns=0)
+    assert b"kvguard_u_kv{" in generate_latest(registry)
+    now[0] = 61 * NS_PER_S  # a scrape after the TTL drops the silent node
+    assert b"kvguard_u_kv{" not in generate_latest(registry) and state.counters.nodes_expired == 1
