@@ -78,6 +78,19 @@ TICK_GAUGES: dict[str, tuple[str, float, str]] = {
     "kvguard_requests_running": ("requests_running", 1.0, "Requests running on the node."),
     "kvguard_requests_waiting": ("requests_waiting", 1.0, "Requests waiting for KV pages."),
     "kvguard_requests_holding_pages": ("requests_holding_pages", 1.0, "Requests holding KV pages."),
+    # the caching-allocator layer (PyTorch's memory_stats names), on nodes that report it
+    "kvguard_allocator_reserved_bytes": ("alloc_reserved_bytes", 1.0,
+                                         "Bytes the caching allocator reserved from the device (segments)."),
+    "kvguard_allocator_allocated_bytes": ("alloc_allocated_bytes", 1.0,
+                                          "Bytes allocated by live tensors outside the KV cache."),
+    "kvguard_allocator_inactive_split_bytes": ("alloc_inactive_split_bytes", 1.0,
+                                               "Free bytes inside segments that still hold an allocation: cached "
+                                               "memory empty_cache() cannot return."),
+    "kvguard_allocator_largest_free_block_bytes": ("alloc_largest_free_block_bytes", 1.0,
+                                                   "Largest cached free block of the caching allocator."),
+    "kvguard_allocator_f_ext": ("alloc_f_ext", 1.0, "The allocator's F_ext: 1 - largest free block / cached free "
+                                                    "bytes (ratio)."),
+    "kvguard_allocator_segments": ("alloc_segments", 1.0, "Segments the caching allocator holds."),
 }
 # bytes gauge name -> (tick attributes summed, help); present when the tick carries unit_bytes > 0
 TICK_BYTES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -115,6 +128,8 @@ TICK_COUNTERS: dict[str, tuple[str, bool, str]] = {
     "kvguard_requests_finished_total": ("finished", False, "Requests that finished."),
     "kvguard_tokens_total": ("tokens_per_s", True, "Tokens processed (prefill and decode)."),
     "kvguard_decode_tokens_total": ("decode_tokens_per_s", True, "Tokens decoded."),
+    "kvguard_allocator_retries_total": ("alloc_retries", False, "Mallocs that found no memory, released the "
+                                                              "allocator's cache and retried (the step before an OOM)."),
 }
 OTHER_FAMILIES: dict[str, tuple[str, str]] = {
     "kvguard_tick_timestamp_seconds": ("gauge", "Event time of the newest tick shown for the node (seconds since "

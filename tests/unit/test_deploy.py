@@ -66,7 +66,7 @@ def served_series() -> set[str]:
     state = service.state
     fields = MetricTick(node="h/gpu0", ts_ns=NS_PER_S, u_kv=0.5, f_ext=0.1, f_int=0.1, psi=0.6, p_oom=0.1,
                         tick_s=10.0).model_dump()
-    state.observe_tick(SimpleNamespace(**fields, unit_bytes=4096), now_ns=0)
+    state.observe_tick(SimpleNamespace(**{**fields, "unit_bytes": 4096}), now_ns=0)
     state.observe_alert(Alert(node="h/gpu0", ts_ns=NS_PER_S, name=BUDGET_ALERT, tier="budget", severity="warning",
                               value=1.0, threshold=2.0, labels={"week": "2026-W48"}), now_ns=0)
     state.observe_command(Command(id="c", node="h/gpu0", action="evict", issued_at_ns=1, ttl_ns=1), now_ns=0)
@@ -118,7 +118,8 @@ def test_base_references_resolve():
     for workload in workloads:
         pod = workload["spec"]["template"]["spec"]
         for volume in pod.get("volumes", []):
-            assert volume["configMap"]["name"] in config_maps, workload["metadata"]["name"]
+            if "configMap" in volume:
+                assert volume["configMap"]["name"] in config_maps, workload["metadata"]["name"]
         for container in pod["containers"]:
             assert container["image"] in image_names
             for source in container.get("envFrom", []):
