@@ -1,9 +1,15 @@
 """Shadow-engine speed: simulated seconds per wall second for ONE GPU at >= 64 concurrent requests.
 
-Prints one JSON object. The default case is Llama-3-70B TP8 (one H100 shard, dual 4/64-token pages)
-on the Azure conversation trace at x2 its rate, which keeps about 100 requests running; the
-same with vLLM-like 16-token pages (4x fewer page events) and the 8B/24GB case (at most ~35 requests
-fit its KV region; run at a light x0.25 load) are reported too for comparison.
+Prints one JSON object. Two engines on the same workload, Llama-3-70B TP8 (one H100 shard) on the
+Azure conversation trace at x2 its rate, which keeps about 100 requests running:
+
+- ``vllm``: the vLLM-faithful engine (``llama3-70b-tp8-80gb-vllm``: vLLM's scheduler and 16-token
+  blocks, every step's activations through the caching-allocator twin), and the same engine with
+  its exact shortcuts off (``fuse_decode``, ``fast_memory``: one scheduler call and a full allocator
+  replay per step), so the gain of each is measured, not assumed;
+- ``main``: the seed's engine (``llama3-70b-tp8-80gb``, dual 4/64-token pages), as before; with
+  vLLM-like 16-token pages, and the 8B/24GB case at a light x0.25 load, for comparison.
+
 Usage: .venv/bin/python bench/bench_sim.py [--seconds 300] [--rate-scale 2]
 """
 
@@ -17,17 +23,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvguard.contracts.units import NS_PER_S  # noqa: E402
-from kvguard.producers.fleet import Fleet  # noqa: E402
-from kvguard.producers.profiles import load_profile  # noqa: E402
-from kvguard.producers.workloads import load_workload  # noqa: E402
+from kvguard.contracts.units import NS_PER_S
+from kvguard.producers.fleet import Fleet
+from kvguard.producers.profiles import load_profile
+from kvguard.producers.vllm_engine import VllmEngineConfig
+from kvguard.producers.workloads import load_workload
 
 
-def run_case(profile_name: str, workload: str, rate_scale: float, seconds: float) -> dict:
+def run_case(profile_name: str, workload: str, rate_scale: float, seconds: float, config=None) -> dict:
     profile = load_profile(profile_name)
-    wl = load_workload(workload, rate_scale=rate_scale, window=seconds,
-                       max_prompt_tokens=min(profile.max_model_len - 1024, int(profile.capacity_tokens * 0.6)))
-    fleet = Fleet(1, profile, seed=0)
+    cap = None if profile.engine == "vllm" else min(profile.max_model_len - 1024, int(profile.capacity_tokens * 0.6))
+    wl = load_workload(workload, rate_scale=rate_scale, window=seconds, max_prompt_tokens=cap)
+    fleet = Fleet(1, profile, seed=0, config=config)
     fleet.submit_workload(wl)
     engine = fleet.engines[0]
     running = []
@@ -36,7 +43,7 @@ def run_case(profile_name: str, workload: str, rate_scale: float, seconds: float
     cpu0 = time.process_time()
     for t in range(1, int(seconds) + 1):
         fleet.advance(t * NS_PER_S)
-        running.append(len(engine._running))
+        running.append(engine.queue_lengths()["running"])
         if t % 10 == 0:
             events += sum(len(b) for b in fleet.take_batches(t * NS_PER_S))
     wall = time.perf_counter() - t0
@@ -45,7 +52,7 @@ def run_case(profile_name: str, workload: str, rate_scale: float, seconds: float
     s = fleet.summary()
     busy = [r for r in running if r > 0]
     return {
-        "profile": profile_name, "workload": workload, "rate_scale": rate_scale,
+        "profile": profile_name, "engine": profile.engine, "workload": workload, "rate_scale": rate_scale,
         "sim_seconds": round(engine.now_ns / NS_PER_S, 1), "wall_seconds": round(wall, 3),
         "sim_seconds_per_wall_second": round(engine.now_ns / NS_PER_S / wall, 1),
         "cpu_seconds": round(cpu, 3),
@@ -65,6 +72,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=300.0, help="simulated seconds per case")
     ap.add_argument("--rate-scale", type=float, default=2.0)
     args = ap.parse_args()
+    vllm_case = run_case("llama3-70b-tp8-80gb-vllm", "azure-conv", args.rate_scale, args.seconds)
+    vllm_plain = run_case("llama3-70b-tp8-80gb-vllm", "azure-conv", args.rate_scale, args.seconds,
+                          VllmEngineConfig(fuse_decode=False, fast_memory=False))
+    vllm_small = run_case("llama3-8b-24gb-vllm", "azure-conv", 0.25, args.seconds)
     main_case = run_case("llama3-70b-tp8-80gb", "azure-conv", args.rate_scale, args.seconds)
     p16 = run_case("llama3-70b-tp8-80gb-p16", "azure-conv", args.rate_scale, args.seconds)
     small = run_case("llama3-8b-24gb", "azure-conv", 0.25, args.seconds)
@@ -74,6 +85,12 @@ def main() -> None:
         "sim_seconds_per_wall_second": main_case["sim_seconds_per_wall_second"],
         "sim_seconds_per_cpu_second": main_case["sim_seconds_per_cpu_second"],
         "concurrent_mean": main_case["concurrent_mean"],
+        "vllm_sim_seconds_per_wall_second": vllm_case["sim_seconds_per_wall_second"],
+        "vllm_sim_seconds_per_cpu_second": vllm_case["sim_seconds_per_cpu_second"],
+        "vllm_concurrent_mean": vllm_case["concurrent_mean"],
+        "vllm": vllm_case,
+        "vllm_without_fusion_or_memo": vllm_plain,
+        "llama3_8b_24gb_vllm": vllm_small,
         "main": main_case,
         "llama3_70b_tp8_80gb_p16": p16,
         "llama3_8b_24gb": small,

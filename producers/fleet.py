@@ -1,6 +1,8 @@
-"""Several simulated GPUs behind a router: one ``Engine`` + ``PagedPool`` per GPU, node ids
-``sim-0/gpu0`` … . Requests are routed when they arrive (least outstanding tokens by default, ties to
-the lowest GPU index, so runs are deterministic). The router health-checks: a GPU that is restarting
+"""Several simulated GPUs behind a router: one engine per GPU, node ids ``sim-0/gpu0`` … . The
+profile names the engine (``Profile.engine``): ``"vllm"`` builds ``producers.vllm_engine.VllmEngine``
+(vLLM's scheduler and KV blocks, PyTorch's caching allocator for the rest), ``"seed"`` the seed's
+``Engine`` + ``PagedPool`` (the alternative profiles). Requests are routed when they arrive (least
+outstanding tokens by default, ties to the lowest GPU index, so runs are deterministic). The router health-checks: a GPU that is restarting
 after an OOM crash gets no new work while another is up; only when every GPU is down does a request
 go to a down one, which refuses it (FINISH REJECTED). Every node's events are drained as
 ``EventBatch``es with increasing ``seq``, one ``epoch`` per run, the geometry on the first batch and on
@@ -16,7 +18,9 @@ import numpy as np
 from kvguard.contracts.events import EVENT_DTYPE, EventBatch
 from kvguard.contracts.units import NS_PER_S
 from kvguard.producers.engine import Engine, EngineConfig, RunSummary
+from kvguard.producers.pool import PagedPool
 from kvguard.producers.profiles import Profile
+from kvguard.producers.vllm_engine import VllmEngine, VllmEngineConfig
 from kvguard.producers.workloads import Request, Workload
 
 
@@ -48,16 +52,27 @@ ROUTERS: dict[str, Callable[[list[Engine], Request], int]] = {
 }
 
 
-def make_pool(profile: Profile, node: str, *, retain_ttl_s: float = 300.0, checkpoint_dir=None):
-    from kvguard.producers.pool import PagedPool
+def make_engine(profile: Profile, node: str, *, seed: int = 0, config=None):
+    """The engine ``profile`` names. ``config``: an ``EngineConfig`` (seed engine; for the vLLM engine only
+    its ``restart_s`` carries over) or a ``VllmEngineConfig``."""
+    if profile.engine == "vllm":
+        if isinstance(config, EngineConfig):
+            config = VllmEngineConfig(restart_s=config.restart_s)
+        return VllmEngine(profile, node=node, seed=seed, config=config)
+    if config is not None and not isinstance(config, EngineConfig):
+        raise ValueError(f"profile {profile.name!r} runs the seed engine: config must be an EngineConfig, "
+                         f"got {type(config).__name__}")
+    return Engine(make_pool(profile, node), profile, node=node, seed=seed, config=config)
 
+
+def make_pool(profile: Profile, node: str, *, retain_ttl_s: float = 300.0, checkpoint_dir=None):
     return PagedPool(profile.geometry, node=node, swap_capacity_units=profile.swap_capacity_units,
                      checkpoint_dir=checkpoint_dir, retain_ttl_ns=int(retain_ttl_s * NS_PER_S), fit="best")
 
 
 class Fleet:
     def __init__(self, n_gpus: int, profile: Profile, *, seed: int = 0, router: str = "least_loaded",
-                 config: EngineConfig | None = None, snapshot_every_s: float = 60.0, host: str = "sim-0"):
+                 config=None, snapshot_every_s: float = 60.0, host: str = "sim-0"):
         if n_gpus < 1:
             raise ValueError(f"n_gpus: expected >= 1, got {n_gpus}")
         if router not in ROUTERS:
@@ -67,8 +82,7 @@ class Fleet:
         self.epoch = seed
         self.router = ROUTERS[router]
         self.snapshot_every_ns = int(snapshot_every_s * NS_PER_S)
-        self.engines = [Engine(make_pool(profile, f"{host}/gpu{i}"), profile, node=f"{host}/gpu{i}",
-                               seed=seed, config=config) for i in range(n_gpus)]
+        self.engines = [make_engine(profile, f"{host}/gpu{i}", seed=seed, config=config) for i in range(n_gpus)]
         self.nodes = [e.node for e in self.engines]
         self.now_ns = 0
         self._pending: list[Request] = []
@@ -155,5 +169,34 @@ class Fleet:
             d["routed"] = self.routed[i]
             d["priority_defaulted"] = e.priority_defaulted
             d["steps"] = e.steps
+            d["ooms_by_cause"] = ooms_by_cause(e)
+            d["rejected_by_reason"] = dict(getattr(e, "rejected_by_reason", {}))
+            d["allocator"] = e.allocator_summary() if hasattr(e, "allocator_summary") else None
             out.append(d)
         return out
+
+    def ooms_by_cause(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for e in self.engines:
+            for cause, n in ooms_by_cause(e).items():
+                total[cause] = total.get(cause, 0) + n
+        return dict(sorted(total.items()))
+
+    def rejected_by_reason(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for e in self.engines:
+            for reason, n in getattr(e, "rejected_by_reason", {}).items():
+                total[reason] = total.get(reason, 0) + n
+        return dict(sorted(total.items()))
+
+
+def ooms_by_cause(engine) -> dict[str, int]:
+    """OOMs of one engine by ``layer:cause`` (``vllm_engine.oom_cause_name``). The seed engine's OOMs are
+    KV-arena runs: ``fragmentation`` when the free units would have sufficed, ``peak`` otherwise."""
+    if hasattr(engine, "ooms_by_cause"):
+        return dict(sorted(engine.ooms_by_cause.items()))
+    out: dict[str, int] = {}
+    for o in engine.oom_log:
+        cause = "kv_arena:fragmentation" if o["fragmentation"] else "kv_arena:peak"
+        out[cause] = out.get(cause, 0) + 1
+    return dict(sorted(out.items()))

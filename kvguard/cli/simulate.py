@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import time
@@ -12,8 +13,10 @@ import typer
 
 from kvguard.cli.app import app
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
-_UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|d|h|m|s)")
+_UNIT_S = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+MAX_DURATION_S = 30 * 86400.0  # a month of simulated arrivals is plenty; more is a typo
+MAX_RATE_SCALE = 1000.0
 
 
 def parse_duration(text: str) -> float:
@@ -31,9 +34,27 @@ def parse_duration(text: str) -> float:
         if pos != len(t) or not t:
             raise typer.BadParameter(f"expected a duration like 30m, 90s, 1h or 1h30m, got {text!r}",
                                      param_hint="--duration") from None
-    if value <= 0:
+    if not math.isfinite(value) or value <= 0:
         raise typer.BadParameter(f"expected a positive duration, got {text!r}", param_hint="--duration")
+    if value > MAX_DURATION_S:
+        raise typer.BadParameter(f"expected at most 30 days ({MAX_DURATION_S:g} s), got {text!r}",
+                                 param_hint="--duration")
     return value
+
+
+def check_rate_scale(value: float) -> float:
+    if not math.isfinite(value) or not 0 < value <= MAX_RATE_SCALE:
+        raise typer.BadParameter(f"expected a finite number in (0, {MAX_RATE_SCALE:g}], got {value}",
+                                 param_hint="--rate-scale")
+    return value
+
+
+class EventLogFailed(OSError):
+    """The event log could not be written; the run itself finished (``summary`` holds its result)."""
+
+    def __init__(self, path, error: OSError, summary: dict):
+        self.path, self.error, self.summary = path, error, summary
+        super().__init__(f"could not write the event log {path}: {error.strerror or error}")
 
 
 def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = None, rate_scale: float = 1.0,
@@ -46,8 +67,10 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
     from kvguard.producers.workloads import load_workload
 
     profile = load_profile(profile_name)
-    # prompts that could never fit one GPU's KV region (or the model's context) are capped, and said so
-    max_prompt = min(profile.max_model_len - 1024, int(profile.capacity_tokens * 0.6))
+    # the seed engine caps prompts that could never fit one GPU's KV region (said in the notes); the
+    # vLLM engine takes them as they are and rejects those over max_model_len, as vLLM does
+    max_prompt = None if profile.engine == "vllm" else min(profile.max_model_len - 1024,
+                                                           int(profile.capacity_tokens * 0.6))
     wl = load_workload(workload, rate_scale=rate_scale, window=duration_s, seed=seed, max_prompt_tokens=max_prompt)
     fleet = Fleet(gpus, profile, seed=seed)
     fleet.submit_workload(wl)
@@ -57,11 +80,14 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
     step_ns = int(flush_s * NS_PER_S)
     meta = {"workload": workload, "profile": profile.name, "gpus": gpus, "rate_scale": rate_scale, "seed": seed,
             "duration_s": duration_s, "nodes": fleet.nodes, "workload_notes": wl.notes}
-    writer = None
+    writer, write_error = None, None
     if events_out is not None:
         from kvguard.wire.eventlog import EventLogWriter
 
-        writer = EventLogWriter(events_out, meta).__enter__()
+        try:
+            writer = EventLogWriter(events_out, meta).__enter__()
+        except OSError as e:
+            write_error = e
     wall0 = time.perf_counter()
     t = 0
     try:
@@ -70,17 +96,23 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
             fleet.advance(t)
             batches = fleet.take_batches(t)
             if writer is not None:
-                for b in batches:
-                    writer.write(b)
+                try:
+                    for b in batches:
+                        writer.write(b)
+                except OSError as e:  # the disk filled up or went away: finish the run, then say so
+                    write_error, writer = e, _close_quietly(writer)
             if progress is not None:
                 progress(min(t, end_ns) / NS_PER_S, end_ns / NS_PER_S)
             if t >= end_ns:
-                idle = fleet.pending == 0 and all(not (e._running or e._waiting or e._swapped) for e in fleet.engines)
+                idle = fleet.pending == 0 and all(_idle(e) for e in fleet.engines)
                 if not drain or idle or t >= drain_cap_ns:
                     break
     finally:
         if writer is not None:
-            writer.__exit__(None, None, None)
+            try:
+                writer.__exit__(None, None, None)
+            except OSError as e:
+                write_error = write_error or e
     wall = time.perf_counter() - wall0
     out = fleet.summary().to_dict()
     out["wall_seconds"] = round(wall, 3)
@@ -93,44 +125,77 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
         d["oom_log"] = e.oom_log[:20]
     out["priority_defaulted"] = sum(d["priority_defaulted"] for d in per_gpu)
     out["ooms_from_fragmentation"] = sum(d["oom_fragmentation"] for d in per_gpu)
+    out["ooms_by_cause"] = fleet.ooms_by_cause()
+    out["rejected_by_reason"] = fleet.rejected_by_reason()
+    out["engine"] = profile.engine
     out["per_gpu"] = per_gpu
+    if write_error is not None:
+        raise EventLogFailed(events_out, write_error, out)
     return out
 
 
+def _idle(engine) -> bool:
+    q = engine.queue_lengths()
+    return not (q["running"] or q["waiting"] or q["swapped"])
+
+
+def _close_quietly(writer) -> None:
+    try:
+        writer.__exit__(None, None, None)
+    except OSError:
+        pass
+
+
+TABLE_WIDTH = 80
+
+
 def _print_table(out: dict) -> None:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
-    if not console.is_terminal:
-        console.width = 120  # piped output: wide enough for the table
+    console = Console(width=TABLE_WIDTH) if not Console().is_terminal else Console()
+    console.width = min(console.width, TABLE_WIDTH)
     wl = out["workload"]
-    console.print(f"[bold]kvguard simulate[/] {wl['name']} x{out['rate_scale']:g} on {out['gpus']} GPU(s), "
-                  f"profile {out['profile']}, seed {out['seed']}")
+    console.print(f"[bold]kvguard simulate[/] {wl['name']} x{out['rate_scale']:g}, {out['gpus']} GPU(s), "
+                  f"{out['profile']} ({out['engine']} engine), seed {out['seed']}")
     for note in wl["notes"]:
         console.print(f"  [dim]{note}[/]")
-    table = Table(show_header=True, header_style="bold")
-    table.add_column("node", no_wrap=True, min_width=10)
-    for col in ("req", "done", "failed", "rejected", "OOM", "preempt", "TTFT p99", "TPOT p50", "goodput", "down s"):
+    table = Table(show_header=True, header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                  padding=(0, 0, 0, 1))  # one space either side of the separator: 11 columns in 80
+    table.add_column("node", no_wrap=True)
+    for col in ("req", "done", "fail", "rej", "OOM", "preempt", "TTFT", "TPOT", "tok/s", "down"):
         table.add_column(col, justify="right", no_wrap=True)
 
+    def fmt(v, digits=3):
+        return "-" if v is None else (f"{v:.{digits}f}" if isinstance(v, float) else str(v))
+
     def row(name, d):
-        fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
         table.add_row(name, fmt(d["requests"]), fmt(d["completed"]), fmt(d["failed"]), fmt(d["rejected"]),
-                      fmt(d["ooms"]), fmt(d["preemptions"]), fmt(d["ttft_p99_s"]), fmt(d["tpot_p50_s"]),
-                      fmt(d["goodput_tokens_per_s"]), fmt(d["downtime_s"]))
+                      fmt(d["ooms"]), fmt(d["preemptions"]), fmt(d["ttft_p99_s"], 2), fmt(d["tpot_p50_s"]),
+                      fmt(d["goodput_tokens_per_s"], 0), fmt(d["downtime_s"], 0))
 
     for d in out["per_gpu"]:
         row(d["node"], d)
     row("[bold]fleet[/]", out)
     console.print(table)
-    console.print("[dim]TTFT/TPOT in s, goodput in output tokens/s of completed requests; failed: lost in an OOM "
-                  "crash; rejected: refused (GPU restarting, or a prompt that could never fit)[/]")
+    console.print("[dim]TTFT p99 and TPOT p50 in s; tok/s: output tokens/s of completed requests; down: s "
+                  "restarting; fail: lost in an OOM crash; rej: rejected (GPU restarting, prompt too long)[/]")
+    if out["ooms"]:
+        causes = ", ".join(f"{c} {n}" for c, n in out["ooms_by_cause"].items())
+        console.print(f"OOMs by cause: {causes}")
+    if out["rejected_by_reason"]:
+        console.print("rejected: " + ", ".join(f"{r} {n}" for r, n in out["rejected_by_reason"].items()))
+    allocators = [d["allocator"] for d in out["per_gpu"] if d.get("allocator")]
+    if allocators:
+        gib = 1 << 30
+        console.print(f"allocator peak reserved {max(a['peak_reserved_bytes'] for a in allocators) / gib:.2f} GiB, "
+                      f"peak allocated {max(a['peak_allocated_bytes'] for a in allocators) / gib:.2f} GiB, "
+                      f"retries {sum(a['num_alloc_retries'] for a in allocators)} (max over GPUs; retries summed)")
     if out["unfinished"]:
         console.print(f"{out['unfinished']} requests were still queued or running when the run ended")
     console.print(f"{out['sim_seconds']:.0f} simulated s in {out['wall_seconds']:.1f} wall s "
-                  f"({out['sim_speed_x']}x real time per GPU summed), {out['events']} events, "
-                  f"{out['ooms_from_fragmentation']} of {out['ooms']} OOMs from fragmentation")
+                  f"({out['sim_speed_x']}x real time per GPU summed), {out['events']} events")
     if out["events_out"]:
         console.print(f"event log: {out['events_out']}")
 
@@ -142,9 +207,11 @@ def simulate(
                                       "trace (azure-conv, azure-code, mooncake-sample, sharegpt-sample) or a "
                                       "scenario (mixed, sessions, rag, drill)."),
     gpus: int = typer.Option(1, "--gpus", min=1, help="Simulated GPUs behind a least-loaded router."),
-    duration: str = typer.Option(None, "--duration", help="Arrival window, e.g. 30m, 90s, 1h (default: whole trace)."),
-    rate_scale: float = typer.Option(1.0, "--rate-scale", help="Multiply the arrival rate (inter-arrival times / X)."),
-    profile: str = typer.Option(None, "--profile", help="Model/GPU profile (default: llama3-8b-24gb)."),
+    duration: str = typer.Option(None, "--duration", help="Arrival window, e.g. 30m, 90s, 1h, 2d, at most 30 days "
+                                                          "(default: whole trace)."),
+    rate_scale: float = typer.Option(1.0, "--rate-scale", help="Multiply the arrival rate (inter-arrival times / X), "
+                                                               "0 < X <= 1000."),
+    profile: str = typer.Option(None, "--profile", help="Model/GPU profile (default: the profiles file's default)."),
     seed: int = typer.Option(0, "--seed", help="Seed for synthetic arrivals and scenarios."),
     events_out: Path = typer.Option(None, "--events-out", help="Write the event log (gzip JSON lines) here."),
     drain: bool = typer.Option(True, "--drain/--no-drain", help="After the window, run until in-flight work ends."),
@@ -157,8 +224,7 @@ def simulate(
     from kvguard.producers.profiles import ProfileError
     from kvguard.producers.workloads import WorkloadError
 
-    if rate_scale <= 0:
-        raise typer.BadParameter(f"expected > 0, got {rate_scale}", param_hint="--rate-scale")
+    check_rate_scale(rate_scale)
     duration_s = parse_duration(duration) if duration else None
     err = Console(stderr=True)
     bar = Progress(TextColumn("simulating"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} sim s"),
@@ -176,6 +242,14 @@ def simulate(
     except (WorkloadError, ProfileError) as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
+    except EventLogFailed as e:
+        _print(e.summary, as_json)
+        err.print(f"[red]error:[/] {e}", soft_wrap=True)
+        raise typer.Exit(1) from None
+    _print(out, as_json)
+
+
+def _print(out: dict, as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps(out, sort_keys=False) + "\n")
     else:

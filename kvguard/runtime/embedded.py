@@ -49,8 +49,10 @@ class RunResult:
 
 
 def demo_workload(profile: Any, *, workload: str, rate_scale: float, duration_s: float, seed: int):
-    # as `kvguard simulate` does: prompts that could never fit one GPU are capped, and said so
-    max_prompt = min(profile.max_model_len - 1024, int(profile.capacity_tokens * 0.6))
+    # the seed's engine caps prompts that could never fit one GPU (and says so); the vLLM-faithful
+    # engine rejects prompts over max_model_len at arrival, as vLLM does, so they reach it uncapped
+    max_prompt = None if getattr(profile, "engine", "seed") == "vllm" else min(
+        profile.max_model_len - 1024, int(profile.capacity_tokens * 0.6))
     return load_workload(workload, rate_scale=rate_scale, window=duration_s, seed=seed, max_prompt_tokens=max_prompt)
 
 
