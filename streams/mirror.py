@@ -327,8 +327,9 @@ class AllocatorMirror:
 
     def _apply_requests(self, ev: np.ndarray, kind: np.ndarray, ref_rows: np.ndarray,
                         delta: np.ndarray) -> None:
-        # a workspace ALLOC_FAIL names no request (req -1): it must not invent a waiting one
-        rows = _nonzero(_HAS_REQ[kind] & (ev["req"] >= 0))
+        # a workspace ALLOC_FAIL names no request (req -1): it must not invent a waiting one; a
+        # reference row always gets a slot, since the reference log needs one for every such row
+        rows = _nonzero(_HAS_REQ[kind] & ((ev["req"] >= 0) | (delta != 0)))
         if rows.size == 0:
             return
         reqs = ev["req"][rows]

@@ -1,0 +1,194 @@
+"""`kvguard scrape`: vLLM's Prometheus /metrics as kvguard ticks and tier 1-2 alerts, for engines without the plugin."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+from kvguard.cli.app import app
+
+# the rules a scrape can feed: U_kv thresholds and its slope (Ψ and the fragmentation rule need F_ext)
+SCRAPE_RULES = ("KVCacheUsageCritical", "KVCacheUsageHigh", "KVCacheUsageRising")
+
+
+@app.command()
+def scrape(
+    url: str = typer.Option(..., "--url", help="vLLM's metrics endpoint, e.g. http://host:8000/metrics."),
+    interval: str = typer.Option("5s", "--interval", help="Time between scrapes (the tick)."),
+    count: int = typer.Option(None, "--count", min=1, help="Stop after this many scrapes (default: run until Ctrl-C)."),
+    node: str = typer.Option(None, "--node", help="Node id prefix (default: the URL's host:port); engines become "
+                                                   "<node>/engine<engine label>."),
+    timeout: str = typer.Option("3s", "--timeout", help="HTTP timeout of one scrape."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line: type tick|alert|scrape_error."),
+    config: Path = typer.Option(None, "--config", help="Settings file (thresholds, slope window)."),
+) -> None:
+    """Scrape vLLM's /metrics every --interval and turn each engine's figures into a tick with the threshold and
+    slope tiers on U_kv (vllm:kv_cache_usage_perc), plus preemptions, running/waiting requests, prefix-cache hit rate,
+    token throughput and TTFT p50/p99 over the interval.
+
+    What is missing without the plugin: no allocator state (the alloc_* figures, OOMs), no F_ext and no F_int (vLLM
+    exports no free-block layout or token fill), hence no Ψ and no fragmentation rule; no request ids (no victims, so
+    the policy cannot act on these ticks); no P(OOM) (the model is trained on the plugin's full features); and one
+    sample per scrape instead of every engine step.
+    """
+    from kvguard.cli.simulate import parse_duration
+    from kvguard.streams.core import StreamConfig, StreamConfigError
+    from kvguard.wire.settings import ConfigError, Settings
+
+    try:
+        interval_s = parse_duration(interval)
+        timeout_s = parse_duration(timeout)
+        settings = Settings.load(config)
+        stream_config = StreamConfig.from_settings(settings.streams, settings.predictor, tick_s=interval_s)
+    except typer.BadParameter as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except (ConfigError, StreamConfigError) as exc:
+        typer.echo(f"config error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    prefix = node or _host_port(url)
+    scraper = Scraper(prefix, stream_config)
+    try:
+        failures = asyncio.run(_loop(url, scraper, interval_s=interval_s, timeout_s=timeout_s, count=count,
+                                     as_json=as_json))
+    except KeyboardInterrupt:
+        failures = 0
+    if failures and count is not None and failures >= count:
+        raise typer.Exit(1)
+
+
+def _host_port(url: str) -> str:
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    return parsed.netloc or url
+
+
+async def _loop(url: str, scraper: Scraper, *, interval_s: float, timeout_s: float, count: int | None,
+                as_json: bool) -> int:
+    import aiohttp
+
+    failures = done = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        next_at = time.monotonic()
+        while count is None or done < count:
+            ts_ns = time.time_ns()
+            try:
+                async with session.get(url) as response:
+                    text = await response.text()
+                    if response.status != 200:
+                        raise RuntimeError(f"HTTP {response.status}")
+                records = scraper.scrape(text, ts_ns)
+            except Exception as exc:  # noqa: BLE001 - one failed scrape is reported, the loop goes on
+                failures += 1
+                records = [{"type": "scrape_error", "url": url, "ts_ns": ts_ns, "error": f"{type(exc).__name__}: {exc}"}]
+            for record in records:
+                _emit(record, as_json)
+            done += 1
+            next_at += interval_s
+            if count is None or done < count:
+                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+    return failures
+
+
+def _emit(record: dict, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(record) + "\n")
+        sys.stdout.flush()
+        return
+    if record["type"] == "tick":
+        s = record["scrape"]
+        ttft = "-" if s["ttft_p99_s"] is None else f"{s['ttft_p99_s'] * 1000:.0f}ms"
+        typer.echo(f"{record['ts_s']:>14.1f}s {record['node']:<24} u_kv {record['u_kv']:.3f}  slope "
+                   f"{record['slope_per_min']:+.4f}/min  running {record['requests_running']}  waiting "
+                   f"{record['requests_waiting']}  preempted {record['preemptions']}  ttft p99 {ttft}")
+    elif record["type"] == "alert":
+        typer.echo(f"{record['ts_s']:>14.1f}s {record['node']:<24} ALERT {record['name']} {record['status']} "
+                   f"[{record['severity']}, {record['tier']}] value {record['value']:.4f}")
+    else:
+        typer.echo(f"scrape of {record['url']} failed: {record['error']}", err=True)
+
+
+class Scraper:
+    """Per engine: the U_kv history for the slope, the last scrape for the deltas, the alert state."""
+
+    def __init__(self, prefix: str, config) -> None:
+        self.prefix = prefix
+        self.config = config
+        self.history: dict[tuple[str, str], list[tuple[int, float]]] = {}
+        self.last: dict[tuple[str, str], tuple[int, object]] = {}
+        self.evaluators: dict[tuple[str, str], object] = {}
+
+    def scrape(self, text: str, ts_ns: int) -> list[dict]:
+        """One exposition text → a tick record per vLLM engine, then its alert records."""
+        from kvguard.producers.vllm_metrics import parse_exposition, vllm_engines
+
+        engines = vllm_engines(parse_exposition(text))
+        if not any(e.kv_cache_usage is not None for e in engines.values()):
+            raise ValueError("no vllm:kv_cache_usage_perc in the exposition: is this vLLM's /metrics?")
+        out: list[dict] = []
+        for key, em in sorted(engines.items()):
+            if em.kv_cache_usage is None:
+                continue
+            out.extend(self._engine(key, em, ts_ns))
+        return out
+
+    def _engine(self, key, em, ts_ns: int) -> list[dict]:
+        import numpy as np
+
+        from kvguard.contracts import pressure
+        from kvguard.contracts.tick import Tick
+        from kvguard.producers.vllm_metrics import interval
+        from kvguard.streams.alerts import AlertEvaluator, alert_record, default_rules
+        from kvguard.streams.metrics import least_squares_slope, tick_record
+
+        cfg = self.config
+        node = f"{self.prefix}/engine{em.engine}"
+        points = self.history.setdefault(key, [])
+        points.append((ts_ns, float(em.kv_cache_usage)))
+        horizon = ts_ns - int(cfg.slope_window_s * 1e9)
+        while points and points[0][0] <= horizon:
+            points.pop(0)
+        pts = np.array(points, dtype=np.float64)
+        slope = least_squares_slope(pts[:, 0], pts[:, 1])
+        before = self.last.get(key)
+        iv = interval(em, before[1] if before else None, (ts_ns - before[0]) / 1e9 if before else 0.0)
+        self.last[key] = (ts_ns, em)
+        u = float(em.kv_cache_usage)
+        reserved = cfg.reserved_frac if cfg.reserved_frac is not None else 0.05
+        tick = Tick(
+            node=node, ts_ns=ts_ns, tick_s=cfg.tick_s, synced=True, u_kv=u, f_ext=0.0, f_int=0.0,
+            psi=float(pressure.psi(u, 0.0, 1.0, 0.0, 0.0, reserved, cfg.alpha, cfg.beta)), slope_per_min=slope,
+            live_units=0, cached_units=0, retained_units=0, workspace_units=0, free_units=0, largest_free_run_units=0,
+            n_free_runs=0, dynamic_units=0, tokens_stored=0, util_weights=0.0, util_kv_live=0.0, util_kv_cached=0.0,
+            util_workspace=0.0, util_free=0.0, util_headroom=0.0, util_reserved=0.0, reserved_frac=reserved,
+            pages_per_request_p50=0.0, pages_per_request_p95=0.0, pages_per_request_p99=0.0,
+            requests_running=int(em.running or 0), requests_holding_pages=int(em.running or 0), arrivals=0, finished=0,
+            alloc_failures=0, alloc_fail_per_s=0.0, evicted_pages=0, evicted_requests=0, evicted_tokens=0,
+            preemptions=int(iv.preemptions or 0), ooms=0, tokens_per_s=float(iv.tokens_per_s or 0.0),
+            decode_tokens_per_s=float(iv.decode_tokens_per_s or 0.0), events=0,
+            requests_waiting=int(em.waiting or 0))
+        record = tick_record(tick)
+        record["type"] = "tick"
+        record["source"] = "scrape"
+        record["scrape"] = {"model_name": em.model_name, "engine": em.engine, "interval_s": round(iv.seconds, 3),
+                            "prefix_hit_rate": iv.prefix_hit_rate, "ttft_p50_s": iv.ttft_p50_s,
+                            "ttft_p99_s": iv.ttft_p99_s, "counter_reset": iv.reset,
+                            "missing": ["alloc_*", "f_ext", "f_int", "psi (no fragmentation terms)", "candidates",
+                                        "p_oom"]}
+        evaluator = self.evaluators.get(key)
+        if evaluator is None:
+            rules = [r for r in default_rules(cfg.thresholds) if r.name in SCRAPE_RULES]
+            evaluator = self.evaluators[key] = AlertEvaluator(rules)
+        out = [record]
+        for alert in evaluator.evaluate(tick):
+            a = alert_record(alert)
+            a["type"] = "alert"
+            a["ts_s"] = alert.ts_ns / 1e9
+            out.append(a)
+        return out

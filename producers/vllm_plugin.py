@@ -1,0 +1,376 @@
+"""kvguard's vLLM plugin: KV, scheduler and CUDA-allocator events from inside a running vLLM engine.
+
+Install ``kvguard[vllm]``; vLLM loads general plugins in every process it starts (``vllm.plugins.
+load_general_plugins``, entry-point group ``vllm.general_plugins``) and calls ``register()`` here.
+``register`` checks the vLLM version (0.33.x; anything else raises ``UnsupportedVllmVersion``
+naming it, unless ``KVGUARD_VLLM_ALLOW_UNSUPPORTED=1``) and wraps ``vllm.v1.core.sched.scheduler.
+Scheduler.__init__`` so that each scheduler vLLM builds (in the engine-core process; the async
+scheduler is a subclass) gets ``attach``-ed. ``KVGUARD_VLLM_PLUGIN=0`` turns the plugin off.
+
+``attach(scheduler)`` builds, per engine:
+
+- the translator (``vllm_plugin_translator``) with the hooks (``vllm_plugin_hooks``) on the
+  scheduler, its KV cache manager and block pool: one ``EventBatch`` per engine step;
+- the actions (``vllm_plugin_actions``): preempt, abort, admission hold, batch-token cap,
+  headroom, ``empty_cache``, drain;
+- the CUDA observer (``vllm_plugin_memory``): ``memory_stats``, segment snapshots, the OOM
+  observer; inactive on CPU or when the workers run in other processes, and it says so;
+- the sink the batches go to: Kafka through ``NodePublisher`` on a background thread when
+  ``KVGUARD_BOOTSTRAP`` (or ``KVGUARD_KAFKA__BOOTSTRAP``, or a ``KVGUARD_CONFIG`` file) is set; an
+  event log when ``KVGUARD_EVENTS_OUT`` names a file (``kvguard metrics/rca --events`` read it);
+  otherwise nothing is published (counted, and logged once). The engine thread only appends a batch
+  to a deque; encoding and sending happen on the publisher's thread.
+
+Node id: ``KVGUARD_NODE_ID`` (or the setting ``KVGUARD_NODE__NODE_ID``); else ``<host>/gpu<index>`` with host = ``KVGUARD_HOST``, else ``NODE_NAME``
+(Kubernetes downward API, ``fieldRef: spec.nodeName``), else the hostname, and index = the first
+entry of ``CUDA_VISIBLE_DEVICES`` (the physical GPU), else the current CUDA device, else 0. In a pod,
+set ``KVGUARD_NODE_ID: "$(NODE_NAME)/$(POD_NAME)"`` from the downward API (``spec.nodeName``,
+``metadata.name``; deploy/k8s/vllm-node.yaml): one id per engine, stable across container restarts
+of the pod, new when the pod is rescheduled. Event time is the wall clock (``time.time_ns``), so a
+command's ``issued_at`` (the tick time) is on the node's clock.
+
+Other settings (env): ``KVGUARD_SNAPSHOT_EVERY_S`` (SNAPSHOT of vLLM's block pool for resync,
+default 60), ``KVGUARD_CUDA_STATS_EVERY_MS`` (100), ``KVGUARD_CUDA_SEGMENTS_EVERY_S`` (5); the rest of
+kvguard's settings as usual (``KVGUARD_<SECTION>__<FIELD>``). ``on_attach(callback)`` lets the
+runtime start the command consumer (``kvguard.runtime.vllm_actuator``) for each attached engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import functools
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvguard.contracts.events import EventBatch
+from kvguard.producers.vllm_plugin_actions import ExecutorEngine, VllmActions
+from kvguard.producers.vllm_plugin_hooks import Attachment
+from kvguard.producers.vllm_plugin_memory import CudaMemoryObserver
+from kvguard.producers.vllm_plugin_translator import BatchSink, VllmEventTranslator, geometry_for_blocks
+from kvguard.wire.eventlog import write_event_log
+
+log = logging.getLogger("kvguard.vllm")
+
+SUPPORTED_VLLM_SERIES = ("0.33",)
+ENTRY_POINT_GROUP = "vllm.general_plugins"
+ENTRY_POINT_NAME = "kvguard"
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
+class UnsupportedVllmVersion(RuntimeError):
+    def __init__(self, version: str):
+        self.version = version
+        super().__init__(f"kvguard's vLLM plugin supports vLLM {', '.join(s + '.x' for s in SUPPORTED_VLLM_SERIES)}; "
+                         f"this is vLLM {version}. Install a supported vLLM, turn the plugin off with "
+                         "KVGUARD_VLLM_PLUGIN=0, or set KVGUARD_VLLM_ALLOW_UNSUPPORTED=1 to try it anyway.")
+
+
+def check_vllm_version(version: str, env: Mapping[str, str] | None = None) -> bool:
+    """True when ``version`` is supported; raises ``UnsupportedVllmVersion`` otherwise (a warning
+    and False with ``KVGUARD_VLLM_ALLOW_UNSUPPORTED=1``)."""
+    env = os.environ if env is None else env
+    series = ".".join(str(version).split("+")[0].split(".")[:2])
+    if series in SUPPORTED_VLLM_SERIES:
+        return True
+    if env.get("KVGUARD_VLLM_ALLOW_UNSUPPORTED", "").lower() in _ON:
+        log.warning("%s (continuing: KVGUARD_VLLM_ALLOW_UNSUPPORTED is set)", UnsupportedVllmVersion(version))
+        return False
+    raise UnsupportedVllmVersion(version)
+
+
+def node_id_from_env(env: Mapping[str, str] | None = None, device_index: int | None = None) -> str:
+    """The node id (module docstring): ``KVGUARD_NODE_ID``, else ``<host>/gpu<index>``."""
+    env = os.environ if env is None else env
+    explicit = env.get("KVGUARD_NODE_ID", "").strip() or env.get("KVGUARD_NODE__NODE_ID", "").strip()
+    if explicit:
+        return explicit
+    host = env.get("KVGUARD_HOST", "").strip() or env.get("NODE_NAME", "").strip() or socket.gethostname()
+    visible = env.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    index = visible or str(device_index if device_index is not None else 0)
+    return f"{host}/gpu{index}"
+
+
+@dataclass(slots=True, frozen=True)
+class PluginConfig:
+    node_id: str | None = None  # None: from the environment at attach time (the CUDA device is known then)
+    bootstrap: str | None = None
+    events_out: str | None = None
+    snapshot_every_s: float = 60.0
+    cuda_stats_every_ms: float = 100.0
+    cuda_segments_every_s: float = 5.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> PluginConfig:
+        env = os.environ if env is None else env
+        bootstrap = env.get("KVGUARD_BOOTSTRAP") or env.get("KVGUARD_KAFKA__BOOTSTRAP") or None
+        if bootstrap is None and env.get("KVGUARD_CONFIG"):
+            bootstrap = "settings"  # the config file's kafka.bootstrap
+        return cls(node_id=env.get("KVGUARD_NODE_ID") or env.get("KVGUARD_NODE__NODE_ID") or None, bootstrap=bootstrap,
+                   events_out=env.get("KVGUARD_EVENTS_OUT") or None,
+                   snapshot_every_s=float(env.get("KVGUARD_SNAPSHOT_EVERY_S", 60.0)),
+                   cuda_stats_every_ms=float(env.get("KVGUARD_CUDA_STATS_EVERY_MS", 100.0)),
+                   cuda_segments_every_s=float(env.get("KVGUARD_CUDA_SEGMENTS_EVERY_S", 5.0)))
+
+
+# ---------------------------------------------------------------- sinks
+
+
+class DiscardSink:
+    """No destination configured: batches are counted and dropped (logged once)."""
+
+    def __init__(self) -> None:
+        self.batches = self.events = 0
+
+    def publish(self, batch: EventBatch) -> None:
+        if not self.batches:
+            log.warning("kvguard: no KVGUARD_BOOTSTRAP or KVGUARD_EVENTS_OUT set: events are counted, not published")
+        self.batches += 1
+        self.events += len(batch)
+
+    def close(self, timeout_s: float = 0.0) -> None:
+        return None
+
+
+class EventLogSink:
+    """Batches into an event log file (``kvguard.wire.eventlog``), held in memory and written on
+    close (at exit, or ``VllmPlugin.close``): for short runs and checks, not for a serving engine."""
+
+    def __init__(self, path: str, meta: dict | None = None) -> None:
+        self.path = path
+        self.meta = dict(meta or {})
+        self._batches: deque[EventBatch] = deque()
+        self._lock = threading.Lock()
+
+    def publish(self, batch: EventBatch) -> None:
+        self._batches.append(batch)
+
+    def close(self, timeout_s: float = 0.0) -> None:
+        with self._lock:
+            batches = list(self._batches)
+            if batches:
+                write_event_log(self.path, batches, self.meta)
+
+
+class KafkaSink:
+    """Batches to ``kvguard.events`` through ``NodePublisher`` on a background thread with its own
+    event loop. ``publish`` only appends to a deque (thread-safe, O(1)); the publisher drains it every
+    ``node.flush_interval_s``, encodes, buffers through outages (bounded, oldest dropped) and sends."""
+
+    def __init__(self, settings: Any, bus: Any = None) -> None:
+        self.settings = settings
+        self._bus = bus
+        self._queue: deque[EventBatch] = deque()
+        self._publisher: Any = None
+        self._loop: Any = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvguard-publisher", daemon=True)
+        self._thread.start()
+        self._ready.wait(timeout=5.0)
+
+    def publish(self, batch: EventBatch) -> None:
+        self._queue.append(batch)
+
+    def _take(self) -> list[EventBatch]:
+        out = []
+        queue = self._queue
+        while queue:
+            out.append(queue.popleft())
+        return out
+
+    def _run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        # the publisher brings the wire schemas (pydantic, orjson): loaded only when Kafka is the sink
+        from kvguard.producers.publisher import NodePublisher
+
+        if self._bus is None:
+            from kvguard.bus.kafka import KafkaBus  # aiokafka: loaded only when Kafka is the sink
+
+            self._bus = KafkaBus(self.settings.kafka)
+        self._loop = asyncio.get_running_loop()
+        self._publisher = NodePublisher.from_settings(self._bus, self.settings, self._take)
+        self._ready.set()
+        try:
+            await self._bus.start()
+        except Exception as err:  # noqa: BLE001 - the broker may come up later; the publisher retries
+            log.warning("kvguard: Kafka at %s did not answer (%s); buffering, will retry",
+                        getattr(self._bus, "bootstrap", "?"), err)
+        try:
+            await self._publisher.run()
+        finally:
+            await self._bus.stop()
+
+    @property
+    def counters(self) -> dict:
+        return self._publisher.counters.as_dict() if self._publisher is not None else {}
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if self._publisher is not None and self._loop is not None and self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._publisher.stop)
+        self._thread.join(timeout=timeout_s)
+
+
+def make_sink(config: PluginConfig, node: str) -> Any:
+    if config.bootstrap:
+        # settings are pydantic models: loaded only when a broker is configured
+        from kvguard.wire.settings import Settings
+
+        settings = Settings.load()
+        if config.bootstrap != "settings":
+            settings = settings.model_copy(update={"kafka": settings.kafka.model_copy(
+                update={"bootstrap": config.bootstrap})})
+        return KafkaSink(settings)
+    if config.events_out:
+        return EventLogSink(config.events_out, {"source": "vllm-plugin", "nodes": [node]})
+    return DiscardSink()
+
+
+# ---------------------------------------------------------------- the plugin per engine
+
+
+def kv_bytes_per_token(scheduler: Any) -> int:
+    """Bytes of KV one token takes in a block (the largest group's layers, page_size_bytes per layer)."""
+    try:
+        groups = scheduler.kv_cache_config.kv_cache_groups
+        per_block = max(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
+        return max(1, per_block // scheduler.block_size)
+    except (AttributeError, ValueError, TypeError, ZeroDivisionError):
+        return 1
+
+
+def _import_torch() -> Any:
+    try:
+        import torch  # heavy: loaded already inside vLLM
+    except ImportError:
+        return None
+    return torch
+
+
+class VllmPlugin:
+    """kvguard attached to one vLLM scheduler (module docstring)."""
+
+    def __init__(self, scheduler: Any, *, config: PluginConfig | None = None, sink: BatchSink | None = None,
+                 clock_ns: Callable[[], int] = time.time_ns, torch_module: Any = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.config = config or PluginConfig.from_env(env)
+        torch = torch_module if torch_module is not None else _import_torch()
+        cuda_ready = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+        device = int(torch.cuda.current_device()) if cuda_ready else None
+        self.node = self.config.node_id or node_id_from_env(env, device)
+        pool = scheduler.kv_cache_manager.block_pool
+        total = int(torch.cuda.get_device_properties(device).total_memory) if cuda_ready else 0
+        self.geometry = geometry_for_blocks(
+            pool.num_gpu_blocks, scheduler.block_size, kv_bytes_per_token(scheduler), total_bytes=total,
+            gpu_memory_utilization=float(getattr(scheduler.cache_config, "gpu_memory_utilization", 0.9)))
+        self.sink = sink if sink is not None else make_sink(self.config, self.node)
+        epoch = time.time_ns()  # a new producer run of this node: the stream starts its state over
+        self.translator = VllmEventTranslator(
+            self.node, self.geometry, self.sink, clock_ns=clock_ns, epoch=epoch,
+            priority_policy=getattr(scheduler.policy, "name", "") == "PRIORITY",
+            snapshot_every_s=self.config.snapshot_every_s)
+        self.actions = VllmActions(scheduler, self.translator, torch_module=torch)
+        self.memory = CudaMemoryObserver(self.translator, torch, stats_every_ms=self.config.cuda_stats_every_ms,
+                                         segments_every_s=self.config.cuda_segments_every_s)
+        self.attachment = Attachment(scheduler, self.translator, actions=self.actions, memory=self.memory)
+        self.scheduler = scheduler
+        self.executor_engine = ExecutorEngine(self.node, self.actions)
+        self.closed = False
+
+    def attach(self) -> VllmPlugin:
+        self.attachment.attach()
+        self.memory.install_oom_observer()
+        log.info("kvguard attached to vLLM: node %s, %d blocks of %d tokens, CUDA observer %s, sink %s",
+                 self.node, self.geometry.dynamic_units, self.geometry.unit_tokens, self.memory.reason,
+                 type(self.sink).__name__)
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.translator.flush()
+        self.attachment.detach()
+        close = getattr(self.sink, "close", None)
+        if close is not None:
+            close(timeout_s)
+
+    def status(self) -> dict:
+        return {"node": self.node, "epoch": self.translator.epoch, "batches": self.translator.seq,
+                "rows": self.translator.rows_total, "steps": self.translator.steps,
+                "blocks": self.geometry.dynamic_units, "cuda": self.memory.status(),
+                "sink": type(self.sink).__name__}
+
+
+_plugins: list[VllmPlugin] = []
+_on_attach: list[Callable[[VllmPlugin], None]] = []
+
+
+def on_attach(callback: Callable[[VllmPlugin], None]) -> None:
+    """Call ``callback(plugin)`` for every engine attached from now on (and those attached already)."""
+    _on_attach.append(callback)
+    for plugin in _plugins:
+        callback(plugin)
+
+
+def attached_plugins() -> list[VllmPlugin]:
+    return list(_plugins)
+
+
+def attach(scheduler: Any, **kwargs: Any) -> VllmPlugin:
+    """Attach kvguard to a live vLLM ``Scheduler`` (the entry point does it for every scheduler)."""
+    plugin = VllmPlugin(scheduler, **kwargs).attach()
+    _plugins.append(plugin)
+    atexit.register(plugin.close)
+    for callback in _on_attach:
+        try:
+            callback(plugin)
+        except Exception:
+            log.exception("kvguard: an on_attach callback failed")
+    return plugin
+
+
+def install_scheduler_hook(**attach_kwargs: Any) -> bool:
+    """Wrap ``Scheduler.__init__`` once so that every scheduler vLLM builds is attached (with
+    ``attach_kwargs``: a sink, a config; the GPU check passes a list sink). False if it was wrapped
+    already."""
+    from vllm.v1.core.sched.scheduler import Scheduler  # vllm: optional and heavy; loaded by vLLM already
+
+    if getattr(Scheduler, "_kvguard_hooked", False):
+        return False
+    original = Scheduler.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if getattr(self, "_kvguard_plugin", None) is not None:
+            return
+        try:
+            self._kvguard_plugin = attach(self, **attach_kwargs)
+        except Exception:
+            log.exception("kvguard: could not attach to vLLM's scheduler; vLLM runs without kvguard")
+
+    Scheduler.__init__ = __init__
+    Scheduler._kvguard_hooked = True
+    return True
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point (pyproject: ``kvguard = "kvguard.producers.vllm_plugin:register"``).
+    vLLM calls it in each of its processes; it is idempotent."""
+    if os.environ.get("KVGUARD_VLLM_PLUGIN", "").lower() in _OFF:
+        log.info("kvguard: vLLM plugin off (KVGUARD_VLLM_PLUGIN)")
+        return
+    import vllm  # vllm: optional and heavy; this runs inside vLLM, which has imported it
+
+    check_vllm_version(vllm.__version__)
+    install_scheduler_hook()

@@ -1,0 +1,91 @@
+"""The plugin's command path end to end on vLLM's real scheduler: a signed command on the commands topic →
+``kvguard.runtime.vllm_actuator`` (kvguard's own Actuator and Executor, on the consumer's thread) → the
+engine thread applies it before its next ``schedule()`` → an ack on the acks topic. The bus is the
+in-process one, the engine the conformance rig stepped by this test's thread. Needs vllm."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvguard.bus.inproc import InprocBus
+from kvguard.contracts.commands import Ack, AckOutcome, Action, Command, Mode, Target, sign
+from kvguard.contracts.dimensions import Granularity, HandlingChoice
+from kvguard.runtime.vllm_actuator import start_for
+from kvguard.wire.settings import Settings
+from tests.integration.test_vllm_plugin import Rig
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+SECRET = "c0ffee11d00d2bad5eed0123456789abcdef0123456789abcdef0123456789ab"
+
+
+def evict(plugin, req: int, command_id: str) -> Command:
+    now = time.time_ns()
+    return sign(Command(id=command_id, node=plugin.node, action=Action.EVICT, targets=(Target(req),),
+                        granularity=Granularity.REQUEST, handling=HandlingChoice.RECOMPUTE, reason="test",
+                        mode=Mode.EMERGENCY, variant="request/lru/sync/recompute/hard", issued_at_ns=now,
+                        ttl_ns=30 * 10**9, epoch=plugin.translator.epoch), SECRET.encode())
+
+
+def started(rig: Rig):
+    settings = Settings.from_dict({"policy": {"hmac_secret": SECRET}, "node": {"journal_dir": None}})
+    bus = InprocBus.from_settings(settings)
+    consumer = start_for(rig.plugin, settings=settings, bus=bus)
+    deadline = time.monotonic() + 5
+    while consumer._loop is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return settings, bus, consumer
+
+
+def send(settings, bus, consumer, command: Command) -> None:
+    asyncio.run_coroutine_threadsafe(bus.publish(settings.topics.name("commands"), command.node, command.to_bytes()),
+                                     consumer._loop).result(5)
+
+
+def test_a_signed_evict_command_preempts_the_request_on_the_engine_thread_and_is_acked():
+    rig = Rig(600)
+    rig.add("victim", 400, max_tokens=200)
+    rig.step()
+    settings, bus, consumer = started(rig)
+    try:
+        send(settings, bus, consumer, evict(rig.plugin, rig.plugin.translator.req("victim"), "cmd-1"))
+        deadline = time.monotonic() + 10
+        scheduled_after = None
+        while not consumer.acks and time.monotonic() < deadline:
+            scheduled = rig.step()  # the engine thread: the submitted execution runs before this schedule()
+            if rig.sched.requests["victim"].num_preemptions:
+                scheduled_after = scheduled
+            time.sleep(0.01)
+        assert consumer.acks, "no ack within 10 s"
+        ack = consumer.acks[0]
+        assert ack.outcome is AckOutcome.EXECUTED and ack.units_freed >= 25  # 400 prompt tokens and what it decoded
+        assert rig.sched.requests["victim"].num_preemptions == 1 and scheduled_after is not None
+        sub = asyncio.run_coroutine_threadsafe(_acks(bus, settings), consumer._loop).result(5)
+        assert [Ack.from_bytes(v).command_id for v in sub] == ["cmd-1"]
+    finally:
+        consumer.stop()
+
+
+async def _acks(bus, settings) -> list[bytes]:
+    sub = bus.subscribe([settings.topics.name("acks")], "test-reader")
+    return [r.value for r in await sub.getmany(timeout_s=0)]
+
+
+def test_a_command_for_an_idle_engine_is_acked_failed_with_the_reason():
+    rig = Rig(600)
+    rig.add("victim", 400, max_tokens=200)
+    rig.step()
+    settings, bus, consumer = started(rig)
+    consumer.actuator.executor.timeout_s = 0.3
+    try:
+        send(settings, bus, consumer, evict(rig.plugin, rig.plugin.translator.req("victim"), "cmd-2"))
+        deadline = time.monotonic() + 10
+        while not consumer.acks and time.monotonic() < deadline:
+            time.sleep(0.02)  # no engine step: nothing runs the submitted execution
+        assert consumer.acks and consumer.acks[0].outcome is AckOutcome.FAILED
+        assert "idle" in consumer.acks[0].errors[0]
+    finally:
+        consumer.stop()
