@@ -5,8 +5,14 @@ Checks, in order, each counted and acked with its reason (never an exception, ne
 1. addressed to this node (``rejected_node``);
 2. HMAC signature with the shared secret (``rejected_signature``): a forged or altered command
    is never executed;
-3. not applied before (``duplicate``): the id is looked up in the applied-id journal;
-4. not expired (``rejected_expired``): ``now > issued_at + ttl`` on the node's clock.
+3. decided on this run of the node (``rejected_epoch``): the command's signed producer epoch is
+   the node's (when the actuator knows it). A restarted node's clock starts over, so without this
+   a command of its previous run could look fresh;
+4. not applied before (``duplicate``): the id is looked up in the applied-id journal;
+5. not expired (``rejected_expired``): ``now > issued_at + ttl`` on the node's clock;
+6. not from the future (``rejected_future``): ``issued_at`` at most ``max_skew_ns`` ahead of
+   the node's clock, and not valid for longer than ``max_ttl_ns`` (``rejected_ttl``): together
+   they bound how long any signed command can stay usable.
 
 Delivery is at-least-once (a consumer restart re-delivers what was not committed), so effects
 must be applied at most once per id. The id is written to the journal — a small append-only file
@@ -20,7 +26,9 @@ Journal entries are dropped once their command's TTL has passed: an older redeli
 as expired anyway, so the journal stays small.
 
 ``Actuator`` is synchronous and takes the node's time as an argument; ``run_actuators`` is the
-thin async shell over a bus.
+thin async shell over a bus. The shell isolates records: a command whose handling raises (the
+journal's disk is full, say) is dead-lettered with the reason, counted and logged, and the loop
+goes on.
 """
 
 from __future__ import annotations
@@ -34,7 +42,9 @@ from typing import Any, Callable, Mapping
 
 from kvguard.actuators.executor import Executor
 from kvguard.bus.deliver import deliver_all
+from kvguard.bus.dlq import RecordDecoder
 from kvguard.contracts.commands import Ack, AckOutcome, Command, CommandError, verify
+from kvguard.wire.schemas import make_headers
 
 log = logging.getLogger(__name__)
 
@@ -104,20 +114,38 @@ class ActuatorCounters:
     malformed: int = 0
     units_freed: int = 0
     units_moved: int = 0
+    rejected_epoch: int = 0
+    rejected_future: int = 0
+    rejected_ttl: int = 0
+    errors: int = 0  # records whose handling raised (dead-lettered by run_actuators)
 
     def as_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in self.__slots__}
+        """Every counter; those after ``units_moved`` only when non-zero, so summaries keep the
+        keys they had before these checks existed."""
+        base = self.__slots__[:self.__slots__.index("units_moved") + 1]
+        return {name: getattr(self, name) for name in self.__slots__
+                if name in base or getattr(self, name)}
+
+
+DEFAULT_MAX_SKEW_NS = 60 * 1_000_000_000  # node.command_max_skew_s
+DEFAULT_MAX_TTL_NS = 3600 * 1_000_000_000  # node.command_max_ttl_s
 
 
 class Actuator:
     def __init__(self, node: str, executor: Executor, secret: bytes, *,
                  journal: AppliedJournal | None = None,
-                 clock_ns: Callable[[], int] = time.perf_counter_ns) -> None:
+                 clock_ns: Callable[[], int] = time.perf_counter_ns, epoch: int | None = None,
+                 max_skew_ns: int = DEFAULT_MAX_SKEW_NS, max_ttl_ns: int = DEFAULT_MAX_TTL_NS) -> None:
+        """``epoch``: the producer epoch of the node's current run (None: not checked, for an
+        in-process loop whose policy sees only this run)."""
         self.node = node
         self.executor = executor
         self.secret = secret
         self.journal = journal if journal is not None else AppliedJournal()
         self.clock_ns = clock_ns  # wall clock, only for the execution latency in acks
+        self.epoch = epoch
+        self.max_skew_ns = max_skew_ns
+        self.max_ttl_ns = max_ttl_ns
         self.counters = ActuatorCounters()
 
     def handle(self, command: Command, now_ns: int) -> Ack:
@@ -130,6 +158,10 @@ class Actuator:
         if not verify(command, self.secret):
             return self._reject(command, now_ns, started, AckOutcome.REJECTED_SIGNATURE,
                                 "HMAC signature does not match (forged, altered, or another secret)")
+        if self.epoch is not None and command.epoch != self.epoch:
+            return self._reject(command, now_ns, started, AckOutcome.REJECTED_EPOCH,
+                                f"decided on epoch {command.epoch}, this node runs epoch {self.epoch} "
+                                "(a command of an earlier run)")
         if command.id in self.journal:
             return self._reject(command, now_ns, started, AckOutcome.DUPLICATE,
                                 f"command {command.id} was applied already")
@@ -137,6 +169,14 @@ class Actuator:
             late_s = (now_ns - command.expires_at_ns()) / 1e9
             return self._reject(command, now_ns, started, AckOutcome.REJECTED_EXPIRED,
                                 f"expired {late_s:.3f} s ago (ttl {command.ttl_ns / 1e9:g} s)")
+        if command.issued_at_ns - now_ns > self.max_skew_ns:
+            return self._reject(command, now_ns, started, AckOutcome.REJECTED_FUTURE,
+                                f"issued {(command.issued_at_ns - now_ns) / 1e9:.3f} s ahead of the node's clock "
+                                f"(at most {self.max_skew_ns / 1e9:g} s: node.command_max_skew_s)")
+        if command.ttl_ns > self.max_ttl_ns:
+            return self._reject(command, now_ns, started, AckOutcome.REJECTED_TTL,
+                                f"ttl {command.ttl_ns / 1e9:g} s is longer than {self.max_ttl_ns / 1e9:g} s "
+                                "(node.command_max_ttl_s)")
         self.journal.record(command.id, command.expires_at_ns())
         try:
             result = self.executor.execute(command, now_ns)
@@ -192,9 +232,6 @@ async def run_actuators(bus: Any, settings: Any, actuators: Mapping[str, Actuato
     Commands for nodes this process does not run are skipped (committed, not acked: they belong
     to another node process). Acks go to ``kvguard.acks`` keyed by node.
     """
-    from kvguard.bus.dlq import RecordDecoder
-    from kvguard.wire.schemas import make_headers
-
     commands_topic = settings.topics.name("commands")
     acks_topic = settings.topics.name("acks")
     decoder = RecordDecoder(bus, settings.topics.name("dlq"), component="actuator", group=group)
@@ -205,16 +242,27 @@ async def run_actuators(bus: Any, settings: Any, actuators: Mapping[str, Actuato
             pending: list = []
             for record in records:
                 model = await decoder.decode("commands", record)
-                if model is not None:
-                    data = model.model_dump()
-                    actuator = actuators.get(str(data.get("node")))
-                    if actuator is not None:
-                        ack = actuator.handle_record(data, node_time_ns(actuator.node))
-                        if ack is not None:
-                            pending.append((acks_topic, ack.node, ack.to_bytes(),
-                                            make_headers("acks", ack.node, record_id=ack.command_id)))
-                            if on_ack is not None:
-                                on_ack(ack)
+                if model is None:
+                    continue
+                actuator = actuators.get(str(getattr(model, "node", "")))
+                if actuator is None:
+                    continue
+                try:
+                    command = Command.from_dict(model.model_dump())
+                except CommandError as err:  # an action or mode this actuator does not know
+                    actuator.counters.malformed += 1
+                    await decoder.dead_letter(record, "invalid", str(err))
+                    continue
+                try:
+                    ack = actuator.handle(command, node_time_ns(actuator.node))
+                except Exception as err:  # noqa: BLE001 - one poison command must not stop the node's actuators
+                    actuator.counters.errors += 1
+                    await decoder.handler_failed(record, err)
+                    continue
+                pending.append((acks_topic, ack.node, ack.to_bytes(),
+                                make_headers("acks", ack.node, record_id=ack.command_id)))
+                if on_ack is not None:
+                    on_ack(ack)
             # acks delivered (retried through an outage) before the commands are committed; a
             # redelivered command after a crash here is acked as a duplicate (journal), not re-applied
             if not await deliver_all(bus, pending, stop=stop, label=f"actuator acks ({group})"):

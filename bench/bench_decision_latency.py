@@ -82,7 +82,7 @@ async def run(opts, bootstrap: str, work: Path) -> dict:
         kafka={"bootstrap": bootstrap, "session_timeout_ms": 1000, "heartbeat_interval_ms": 250,
                "consumer_options": {"fetch_max_wait_ms": 10}, "linger_ms": 0},
         topics={"prefix": prefix}, streams={"tick_s": opts.tick_s},
-        policy={"hmac_secret": "bench-secret", "command_ttl_s": 30.0})
+        policy={"hmac_secret": "bench-secret-" + uuid.uuid4().hex, "command_ttl_s": 30.0})
     await create_topics(settings, settings.topics.all())
     config = work / "settings.json"
     config.write_text(settings.model_dump_json())

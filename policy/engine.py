@@ -82,6 +82,8 @@ class EngineConfig:
     prompt_horizon_s: float = 900.0  # how long a seen prompt size counts
     prompt_safety_runs: float = 1.0  # run requirements left free after the largest prompt lands
     max_headroom_frac: float = 0.45  # never hold back more than this share of D
+    max_nodes: int = 10_000  # per-node state held; past it the least recently seen node is evicted
+    max_epoch_jump: int = 1 << 61  # a tick of an epoch further ahead is rejected, not a restart
 
 
 @dataclass(slots=True)
@@ -95,6 +97,7 @@ class Decision:
     commands: list[Command] = field(default_factory=list)
     mode_change: ModeChange | None = None
     stale: bool = False
+    rejected: bool = False  # not a tick to decide on (its epoch jumped too far): dead-letter it
 
 
 @dataclass(slots=True)
@@ -112,6 +115,9 @@ class EngineCounters:
     headroom_commands: int = 0
     stale_ticks: int = 0  # duplicate or out-of-order ticks skipped (a redelivery after recovery)
     restarts: int = 0  # ticks of a newer producer epoch: the node restarted, its policy state started over
+    epoch_jumps_rejected: int = 0  # ticks whose epoch was more than max_epoch_jump ahead of the node's
+    nodes_evicted_cap: int = 0  # least recently seen nodes dropped to stay within max_nodes
+    nodes_evicted_idle: int = 0  # nodes dropped by the service after its idle timeout (``forget``)
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -127,7 +133,7 @@ class PolicyEngine:
         self._recent: dict[str, dict[int, int]] = {}
         self._held: dict[str, tuple[int, int]] = {}  # node -> (units held, ts_ns of the last command)
         self._calm: dict[str, int] = {}
-        self._last_ts: dict[str, int] = {}  # node -> ts_ns of the last tick decided on
+        self._last_ts: dict[str, int] = {}  # node -> ts_ns of the last tick decided on (least recent first)
         self._epoch: dict[str, int] = {}  # node -> producer epoch of the last tick decided on
         self._prompt_max: dict[int, int] = {}  # minute of event time -> largest prompt seen (units)
 
@@ -152,6 +158,12 @@ class PolicyEngine:
         known = self._epoch.get(view.node)
         if epoch is None:
             epoch = 0 if known is None else known
+        if known is not None and epoch - known > self.config.max_epoch_jump:
+            self.counters.epoch_jumps_rejected += 1
+            mode = self.modes.mode(view.node)
+            return Decision(view.node, view.ts_ns, mode, self.strategy_for(mode).variant, stale=True, rejected=True,
+                            reason=f"epoch {epoch} is {epoch - known} past the node's epoch {known}, more than "
+                                   f"policy.max_epoch_jump ({self.config.max_epoch_jump}): not taken as a restart")
         if known is not None and epoch > known:
             self._restart(view.node)
         last = self._last_ts.get(view.node)
@@ -163,7 +175,10 @@ class PolicyEngine:
                    else f"stale tick: ts_ns {view.ts_ns} <= last decided {last}")
             return Decision(view.node, view.ts_ns, mode, self.strategy_for(mode).variant, reason=why, stale=True)
         self._epoch[view.node] = epoch
+        self._last_ts.pop(view.node, None)
         self._last_ts[view.node] = view.ts_ns
+        while len(self._last_ts) > self.config.max_nodes:
+            self.forget(next(iter(self._last_ts)), idle=False)
         self.counters.ticks += 1
         self._note_prompts(view)
         change = self.modes.observe(view)
@@ -201,10 +216,23 @@ class PolicyEngine:
             self.modes.note_action(view.node, view.ts_ns)
         return decision
 
-    def _restart(self, node: str) -> None:
+    def forget(self, node: str, *, idle: bool = True) -> bool:
+        """Drop everything the engine holds of a node (idle: the caller's timeout; else the cap).
+        Its next tick is decided as its first. False when the node was not held."""
+        if node not in self._last_ts and node not in self._epoch:
+            return False
+        self._restart(node, count=False)
+        self._epoch.pop(node, None)
+        if idle:
+            self.counters.nodes_evicted_idle += 1
+        else:
+            self.counters.nodes_evicted_cap += 1
+        return True
+
+    def _restart(self, node: str, *, count: bool = True) -> None:
         """Forget a restarted node's policy state: its new run starts in DEFAULT mode, on a new
         clock, with no hold in place on its fresh engine."""
-        self.counters.restarts += 1
+        self.counters.restarts += count
         self.modes.forget(node)
         for per_node in (self._last_ts, self._last_scan_ns, self._recent, self._held, self._calm):
             per_node.pop(node, None)
@@ -307,7 +335,7 @@ class PolicyEngine:
         ttl_ns = int(self.config.command_ttl_s * NS_PER_S)
         common = dict(node=view.node, granularity=strategy.granularity, handling=strategy.handling,
                       reason=reason, mode=mode, variant=strategy.variant,
-                      issued_at_ns=view.ts_ns, ttl_ns=ttl_ns)
+                      issued_at_ns=view.ts_ns, ttl_ns=ttl_ns, epoch=epoch)
         drafts: list[Command] = []
         if headroom is not None:
             drafts.append(Command(id="", action=Action.HEADROOM, targets=(), units_needed=headroom, **common))

@@ -17,22 +17,36 @@ and deterministically; ``run`` is the async consumer over any bus (in-process or
 Ticks from the bus are validated against the wire contract (``kvguard.wire.schemas.MetricTick``,
 DLQ on failure) and handed on as the core's ``Tick`` (``MetricTick.to_tick()``): the embedded loop
 and a consumer over Kafka give the engine the same value.
+
+Error isolation: a tick that fails the wire checks (``kvguard.wire.validate``: e.g. ``u_kv =
+1e308``), whose epoch the engine rejects, or whose handling raises is dead-lettered with the
+reason (counted in ``errors`` / the decoder's counters, and logged) and committed past: one poison
+record never stops the service or comes back after a restart. Per-node state is bounded by the
+engine's ``max_nodes``; ``run`` also forgets nodes without ticks for ``policy.node_idle_timeout_s``
+of wall time.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from kvguard.bus.deliver import deliver_all
-from kvguard.contracts.commands import Command, Mode
+from kvguard.bus.dlq import RecordDecoder
+from kvguard.contracts.commands import Action, Command, Mode
+from kvguard.contracts.events import EventKind, Outcome
 from kvguard.contracts.tick import Tick
 from kvguard.contracts.tiers import LEAD_TIME_SIGNALS, AlertThresholds, signal_conditions
 from kvguard.policy.budget import tick_week
 from kvguard.policy.engine import Decision, PolicyEngine
 from kvguard.policy.modes import ModeChange
+from kvguard.policy.slo import OutcomeTracker
+from kvguard.wire.schemas import make_headers
 
 log = logging.getLogger(__name__)
 ledger_log = logging.getLogger("policy.ledger")  # budget/SLO ledger unreachable (once per outage)
@@ -61,6 +75,10 @@ class PolicyService:
         self.mode_changes: list[ModeChange] = []
         self.ticks = 0
         self.budget_errors = 0  # ticks decided without the budget (ledger unreachable)
+        self.errors = 0  # ticks whose handling raised (dead-lettered by ``run``)
+        self.rejected = 0  # ticks the engine rejected (epoch jump; dead-lettered by ``run``)
+        self.nodes_forgotten = 0  # nodes dropped after the idle timeout
+        self._seen_at: dict[str, float] = {}  # node -> wall (monotonic) time of its last tick in ``run``
         self._budget_down = False
         self._warned_priority: set[str] = set()
 
@@ -110,9 +128,6 @@ class PolicyService:
 
     def messages(self, out: Outgoing) -> list[tuple[str, str, bytes, list]]:
         """``out`` as (topic, key, value, headers) records, in publishing order."""
-        import orjson
-
-        from kvguard.wire.schemas import make_headers
 
         topics = self.settings.topics
         records = [(topics.name("commands"), cmd.node, cmd.to_bytes(),
@@ -138,27 +153,73 @@ class PolicyService:
         it has decided on already (``PolicyEngine.decide``: stale ticks).
         """
 
-        from kvguard.bus.dlq import RecordDecoder
-
         decoder = RecordDecoder(self.bus, self.settings.topics.name("dlq"), component="policy", group=group)
+        self.decoder = decoder
         subscription = self.bus.subscribe([self.settings.topics.name("metrics")], group)
+        next_sweep = time.monotonic() + _SWEEP_S
         try:
             while stop is None or not stop.is_set():
                 records = await subscription.getmany(max_records=512, timeout_s=poll_s)
                 pending: list = []
                 for record in records:
                     model = await decoder.decode("metrics", record)
-                    if model is not None:
+                    if model is None:
+                        continue
+                    try:
                         out = self.handle_tick(model.to_tick())
-                        pending += self.messages(out)
-                        if on_output is not None:
-                            on_output(out)
+                    except Exception as err:  # noqa: BLE001 - one poison tick must not stop the service
+                        self.errors += 1
+                        await decoder.handler_failed(record, err)
+                        continue
+                    self._seen(out.decision.node)
+                    if out.decision.rejected:
+                        self.rejected += 1
+                        log.warning("policy: tick of %s dead-lettered: %s", out.decision.node, out.decision.reason)
+                        await decoder.dead_letter(record, "invalid", out.decision.reason or "")
+                        continue
+                    pending += self.messages(out)
+                    if on_output is not None:
+                        on_output(out)
+                if time.monotonic() >= next_sweep:
+                    self.forget_idle(time.monotonic())
+                    next_sweep = time.monotonic() + _SWEEP_S
                 if not await deliver_all(self.bus, pending, stop=stop, label="policy"):
                     break  # stopping mid-outage: leave the batch uncommitted
                 if records:
                     await subscription.commit()
         finally:
             await subscription.close()
+
+
+    def _seen(self, node: str) -> None:
+        """Note a node's tick (wall time); the table is bounded like the engine's state."""
+        self._seen_at.pop(node, None)
+        self._seen_at[node] = time.monotonic()
+        while len(self._seen_at) > self.engine.config.max_nodes:
+            oldest = next(iter(self._seen_at))
+            del self._seen_at[oldest]
+            self._warned_priority.discard(oldest)
+            if self.slo is not None:
+                self.slo.forget(oldest)
+
+    def forget_idle(self, now_s: float) -> list[str]:
+        """Forget the nodes whose last tick (in ``run``) is older than ``policy.node_idle_timeout_s``
+        at the monotonic time ``now_s``; returns them."""
+        timeout_s = float(getattr(self.settings.policy, "node_idle_timeout_s", 3600.0))
+        idle = [node for node, seen in self._seen_at.items() if now_s - seen > timeout_s]
+        for node in idle:
+            del self._seen_at[node]
+            self.engine.forget(node)
+            self._warned_priority.discard(node)
+            if self.slo is not None:
+                self.slo.forget(node)
+            self.nodes_forgotten += 1
+        if idle:
+            log.info("policy: forgot %d node(s) idle for more than %g s", len(idle), timeout_s)
+        return idle
+
+
+_SWEEP_S = 30.0  # how often ``run`` looks for idle nodes (wall seconds)
 
 
 def mode_alert(change: ModeChange) -> dict:
@@ -216,8 +277,6 @@ class SloRecorder:
 
     def __init__(self, ledger: Any, *, threshold: float, horizon_s: float, thresholds: Any = None,
                  confirm_with_acks: bool = False) -> None:
-        from kvguard.policy.slo import OutcomeTracker
-
         self.ledger = ledger
         self.threshold = float(threshold)
         self.thresholds = thresholds
@@ -229,6 +288,11 @@ class SloRecorder:
         self._issued: dict[str, tuple[str, int, tuple[int, ...]]] = {}  # command id -> (node, ts, reqs)
         self._evicted: set[tuple[str, int]] = set()
         self._logged_error = False
+
+    def forget(self, node: str) -> None:
+        """Drop the per-node onset and ordering state of an idle node."""
+        self._onset.pop(node, None)
+        self._last_ts.pop(node, None)
 
     # ticks ---------------------------------------------------------------------------------------
 
@@ -271,8 +335,6 @@ class SloRecorder:
     # evictions -----------------------------------------------------------------------------------
 
     def observe_decision(self, decision: Any) -> None:
-        from kvguard.contracts.commands import Action
-
         for cmd in getattr(decision, "commands", ()):
             if cmd.action is not Action.EVICT:
                 continue
@@ -297,7 +359,6 @@ class SloRecorder:
         """Outcomes of evicted requests from the nodes' event batches (FINISH rows)."""
         if not self._evicted:
             return
-        from kvguard.contracts.events import EventKind, Outcome
 
         for batch in batches:
             events = batch.events

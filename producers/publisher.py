@@ -15,6 +15,17 @@ Two loops share one bounded buffer:
   through is sent again after it: consumers order by ``(epoch, seq)`` and drop duplicates.)
 
 Memory is bounded by ``max_buffered_* + max_in_flight`` encoded batches.
+
+The broker takes records up to ``max_message_bytes`` (Kafka's ``message.max.bytes``, aiokafka's
+``max_request_size``: 1 MB by default). A batch that encodes larger is split into consecutive
+batches that fit (``split_batch``: the state goes with the piece holding the last SNAPSHOT row);
+the node's later batches are renumbered after them so its ``seq`` stays contiguous. A piece that
+still cannot fit (one event, or a ``PoolState`` dump alone over the limit) is dropped and counted
+(``batches_oversized``), and so is a record the broker refuses for good (an error that is not
+``retriable``, counted in ``batches_refused``): the consumer sees the seq gap and resynchronises on
+the next SNAPSHOT; nothing is retried forever. The drainer polls the source every
+``flush_interval_s``, sooner only while the source hands over more than ``max_batch_events`` at
+a time: a full buffer (a broker outage) does not make it spin.
 """
 
 from __future__ import annotations
@@ -24,10 +35,13 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import pairwise
+
+import numpy as np
 
 from kvguard.bus.base import Bus, BusClosed
-from kvguard.contracts.events import EventBatch
+from kvguard.contracts.events import EventBatch, EventKind
 from kvguard.wire.schemas import batch_headers, encode_batch
 
 log = logging.getLogger(__name__)
@@ -46,6 +60,11 @@ class PublisherCounters:
     publish_failures: int = 0  # sends that failed and were retried
     buffered_batches: int = 0
     buffered_events: int = 0
+    batches_split: int = 0  # source batches over max_message_bytes, sent as several
+    batches_oversized: int = 0  # pieces that could not be made to fit: dropped
+    events_oversized: int = 0
+    batches_refused: int = 0  # records the broker refused for good (a non-retriable error): dropped
+    events_refused: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -73,11 +92,14 @@ class NodePublisher:
         max_buffered_events: int = 5_000_000,
         max_in_flight: int = 256,
         retry_backoff_s: tuple[float, float] = (0.05, 2.0),
+        max_message_bytes: int = 1_048_576,
     ):
         if flush_interval_s <= 0:
             raise ValueError(f"flush_interval_s must be > 0, got {flush_interval_s}")
         if max_buffered_batches <= 0 or max_buffered_events <= 0 or max_in_flight <= 0:
             raise ValueError("max_buffered_batches, max_buffered_events and max_in_flight must be > 0")
+        if max_message_bytes <= _RECORD_OVERHEAD_BYTES:
+            raise ValueError(f"max_message_bytes must be > {_RECORD_OVERHEAD_BYTES}, got {max_message_bytes}")
         self.bus = bus
         self.topic = topic
         self.source = source
@@ -87,6 +109,8 @@ class NodePublisher:
         self.max_buffered_events = max_buffered_events
         self.max_in_flight = max_in_flight
         self.retry_backoff_s = retry_backoff_s
+        self.max_value_bytes = max_message_bytes - _RECORD_OVERHEAD_BYTES
+        self._seq_shift: dict[str, tuple[int, int]] = {}  # node -> (epoch, seqs added by splits)
         self.counters = PublisherCounters()
         self._buffer: OrderedDict[int, _Entry] = OrderedDict()
         self._next_id = 0
@@ -99,6 +123,7 @@ class NodePublisher:
         options = dict(
             flush_interval_s=node.flush_interval_s, max_batch_events=node.max_batch_events,
             max_buffered_batches=node.max_buffered_batches, max_buffered_events=node.max_buffered_events,
+            max_message_bytes=settings.kafka.max_message_bytes,
         )
         options.update(overrides)
         return cls(bus, settings.topics.name("events"), source, **options)
@@ -112,7 +137,43 @@ class NodePublisher:
         return len(batches)
 
     def _append(self, batch: EventBatch) -> None:
-        entry = _Entry(batch.node, encode_batch(batch), batch_headers(batch), len(batch))
+        epoch, shift = self._seq_shift.get(batch.node, (batch.epoch, 0))
+        if epoch != batch.epoch:  # a new run numbers from 0 again
+            shift = 0
+        if shift:
+            batch = replace(batch, seq=batch.seq + shift)
+        value = encode_batch(batch)
+        if len(value) <= self.max_value_bytes:
+            self._add(batch, value)
+        else:
+            pieces = self._pieces(batch, value)
+            shift += len(pieces) - 1
+            self.counters.batches_split += 1
+            log.warning("node %s: batch seq %d of %d events encodes to %d bytes, over the broker's %d: sent as %d",
+                        batch.node, batch.seq, len(batch), len(value), self.max_value_bytes, len(pieces))
+            for piece, piece_value in pieces:
+                if piece_value is None:
+                    self.counters.batches_oversized += 1
+                    self.counters.events_oversized += len(piece)
+                    log.error("node %s: batch seq %d (%d events) cannot fit in %d bytes: dropped", piece.node,
+                              piece.seq, len(piece), self.max_value_bytes)
+                    continue
+                self._add(piece, piece_value)
+        self._seq_shift[batch.node] = (batch.epoch, shift)
+
+    def _pieces(self, batch: EventBatch, value: bytes) -> list[tuple[EventBatch, bytes | None]]:
+        """``batch`` split until every piece fits (None: a piece that cannot be made to fit)."""
+        n = len(batch)
+        parts = max(2, -(-len(value) // int(self.max_value_bytes * 0.8)))
+        while True:
+            pieces = split_batch(batch, min(parts, max(1, n)))
+            encoded = [encode_batch(p) for p in pieces]
+            if all(len(v) <= self.max_value_bytes for v in encoded) or parts >= n:
+                return [(p, v if len(v) <= self.max_value_bytes else None) for p, v in zip(pieces, encoded)]
+            parts *= 2
+
+    def _add(self, batch: EventBatch, value: bytes) -> None:
+        entry = _Entry(batch.node, value, batch_headers(batch), len(batch))
         self._buffer[self._next_id] = entry
         self._next_id += 1
         self.counters.batches_taken += 1
@@ -173,7 +234,14 @@ class NodePublisher:
         results = await asyncio.gather(*(f for _, _, f in futures), return_exceptions=True)
         for (entry_id, entry, _), result in zip(futures, results):
             entry.in_flight = False
-            if isinstance(result, BaseException):
+            if isinstance(result, BaseException) and getattr(result, "retriable", True) is False:
+                # the broker will never take it (e.g. MessageSizeTooLargeError): drop, do not retry forever
+                self._remove(entry_id)
+                self.counters.batches_refused += 1
+                self.counters.events_refused += entry.events
+                log.error("node %s: %s refused a batch of %d events for good (%s: %s): dropped", entry.node,
+                          self.topic, entry.events, type(result).__name__, result)
+            elif isinstance(result, BaseException):
                 ok = False
                 self.counters.publish_failures += 1
             elif self._remove(entry_id) is not None:
@@ -228,9 +296,12 @@ class NodePublisher:
 
     async def _drain_loop(self) -> None:
         while not self._stopping:
+            taken = self.counters.events_taken
             self.drain()
             interval = self.flush_interval_s
-            if self.counters.buffered_events >= self.max_batch_events:
+            # sooner only while the source has more than a batch's worth each time; a buffer that
+            # stays full (the broker is down) must not make the drainer spin
+            if self.counters.events_taken - taken >= self.max_batch_events:
                 interval = min(interval, 0.001)
             await asyncio.sleep(interval)
 
@@ -257,3 +328,27 @@ class NodePublisher:
                 return
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.retry_backoff_s[1])
+
+
+_RECORD_OVERHEAD_BYTES = 2048  # key, CloudEvents headers and the record batch's framing
+_SNAPSHOT = int(EventKind.SNAPSHOT)
+
+
+def split_batch(batch: EventBatch, parts: int) -> list[EventBatch]:
+    """``batch`` as up to ``parts`` consecutive batches (``seq``, ``seq + 1``, …) of about equal
+    length. Each keeps the geometry (when the batch had one); the ``PoolState`` goes with the piece
+    holding the batch's last SNAPSHOT row, as the core expects it there."""
+    n = len(batch)
+    bounds = sorted(set(np.linspace(0, n, max(1, parts) + 1).astype(int).tolist()))
+    snapshots = np.flatnonzero(batch.events["kind"] == _SNAPSHOT)
+    last_snapshot = int(snapshots[-1]) if snapshots.size else -1
+    pieces = []
+    for start, stop in pairwise(bounds):
+        holds_state = batch.state is not None and start <= last_snapshot < stop
+        pieces.append(EventBatch(node=batch.node, seq=batch.seq + len(pieces), epoch=batch.epoch,
+                                 events=batch.events[start:stop], geometry=batch.geometry,
+                                 state=batch.state if holds_state else None,
+                                 extra=dict(batch.extra) if not pieces else {}))
+    if batch.state is not None and last_snapshot < 0:  # a state without its row: keep it on the last piece
+        pieces[-1].state = batch.state
+    return pieces or [batch]

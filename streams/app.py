@@ -25,6 +25,16 @@ Tansu 0.6 reports a partition's end offset as the base offset of its last record
 Faust's table recovery misses the tail of the last batch; each round of checkpoints is therefore
 sealed with a one-record batch (``StreamsWorker.seal``).
 
+Hostile input: records are decoded with the semantic checks of ``kvguard.wire.validate`` and their
+key must name their node; the core rejects batches that do not fit the node's region or jump too
+far in epoch. Every record is handled on its own: one that fails those checks, or whose handling
+raises, goes to ``kvguard.dlq`` with the reason (counted, logged) and the chunk goes on, so its
+offset is committed past it and the rest of the chunk is produced. Per-node state is bounded:
+the core evicts the least recently seen node past ``streams.max_nodes``, and the worker evicts
+nodes without batches for ``streams.node_idle_timeout_s`` of wall time; an evicted node's
+checkpoint is deleted from the table (a tombstone on the changelog), so its next batch starts it
+over.
+
 Ordering: outputs are sent as they are made; before a checkpoint is written every output sent so
 far is awaited (a checkpoint never gets ahead of the ticks its batches produced), and Faust flushes
 the producer before it commits offsets. Records are handled in chunks of up to ``max_records``.
@@ -49,11 +59,14 @@ import asyncio
 import logging
 import struct
 import tempfile
+import time
 from dataclasses import dataclass
 
 from kvguard.streams.core import NodeState, StreamConfig, StreamCore
 from kvguard.streams.outputs import output_records
 from kvguard.streams.predictor import Predictor
+from kvguard.wire.schemas import DecodeError, DlqRecord, decode_batch, make_headers
+from kvguard.wire.validate import InvalidRecord, check_key
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +103,7 @@ def internal_topics(settings, app_id: str = DEFAULT_APP_ID, *,
 
 async def ensure_topics(settings, app_id: str = DEFAULT_APP_ID, *, compact_changelog: bool = False) -> dict[str, str]:
     """Create kvguard's topics and Faust's internal ones (idempotent); ``{name: created|exists}``."""
+    # aiokafka's admin client only when topics are created
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
     from kvguard.bus.kafka import client_kwargs, create_topics
@@ -129,6 +143,10 @@ class WorkerCounters:
     nodes_restored: int = 0
     nodes_dropped: int = 0
     gap_fills: int = 0
+    rejected: int = 0  # batches the core did not apply (dead-lettered)
+    errors: int = 0  # records whose handling raised (dead-lettered)
+    nodes_evicted: int = 0  # by the core's cap or the idle timeout (checkpoint deleted)
+    dlq_failed: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -162,12 +180,13 @@ class StreamsWorker:
         self.checkpointed: set[str] = set()
         self.in_flight: list = []
         self.counters = WorkerCounters()
+        self.idle_timeout_s = float(getattr(settings.streams, "node_idle_timeout_s", 3600.0))
+        self.seen_at: dict[str, float] = {}  # node -> monotonic time of its last batch
+        self._next_sweep = time.monotonic() + _SWEEP_S
 
     async def handle(self, events) -> None:
         """Process a chunk of consumed events: apply every batch, send the outputs, and write the
         checkpoints that fell due once every output sent so far is on the broker."""
-        from kvguard.wire.schemas import DecodeError, decode_batch
-
         ticks, alerts = [], []
         due: dict[str, int] = {}  # node -> partition, checkpoints to write after this chunk
         for event in events:
@@ -176,32 +195,80 @@ class StreamsWorker:
             self.counters.records += 1
             headers = _header_pairs(message.headers)
             try:
-                batch = decode_batch(value, headers)
+                batch = decode_batch(value, headers, limits=self.core.config.limits)
+                check_key(message.key, batch.node)
             except DecodeError as exc:
                 await self.dead_letter(message, value, headers, exc.reason, exc.detail)
                 continue
-            node = batch.node
-            self.partition_of[node] = message.partition
-            st = self.core.nodes.get(node)
-            if st is None:
-                st = self.restore(node)
-            if self._missed_batches(st, batch):
-                await self._fill_gap(node, st, batch, message, ticks, alerts, due)
-            duplicates = st.duplicates
-            new_ticks, new_alerts = self.core.process(batch)
-            if st.duplicates != duplicates:
-                self.counters.duplicates += 1
+            except InvalidRecord as exc:
+                await self.dead_letter(message, value, headers, "invalid", exc.detail)
                 continue
-            self.counters.batches += 1
-            self.counters.events += len(batch)
-            ticks += new_ticks
-            alerts += new_alerts
-            self._applied(node, message.partition, message.offset, len(new_ticks), due)
+            try:
+                await self._handle_batch(batch, message, value, headers, ticks, alerts, due)
+            except Exception as err:  # one poison record must not stop the worker
+                self.counters.errors += 1
+                log.error("handling %s/%d@%d raised %s: %s; dead-lettered, going on", message.topic,
+                          message.partition, message.offset, type(err).__name__, err, exc_info=err)
+                await self.dead_letter(message, value, headers, "processing_error", f"{type(err).__name__}: {err}")
+            await self._drop_evicted(due)
+        if time.monotonic() >= self._next_sweep:
+            await self.evict_idle(time.monotonic(), due)
         await self.publish(ticks, alerts)
         if due:  # a checkpoint must never get ahead of the outputs its batches produced
             await self.wait_outputs()
             await asyncio.gather(*(self.checkpoint(node, partition) for node, partition in due.items()))
             await self.seal(set(due.values()))
+
+    async def _handle_batch(self, batch, message, value, headers, ticks, alerts, due) -> None:
+        node = batch.node
+        self.partition_of[node] = message.partition
+        self.seen_at.pop(node, None)
+        self.seen_at[node] = time.monotonic()
+        st = self.core.nodes.get(node)
+        if st is None:
+            st = self.restore(node)
+        if self._missed_batches(st, batch):
+            await self._fill_gap(node, st, batch, message, ticks, alerts, due)
+        duplicates = st.duplicates
+        new_ticks, new_alerts = self.core.process(batch)
+        for rejection in self.core.rejected:
+            self.counters.rejected += 1
+            await self.dead_letter(message, value, headers, rejection.reason, rejection.detail)
+        if self.core.rejected:
+            return
+        if st.duplicates != duplicates:
+            self.counters.duplicates += 1
+            return
+        self.counters.batches += 1
+        self.counters.events += len(batch)
+        ticks += new_ticks
+        alerts += new_alerts
+        self._applied(node, message.partition, message.offset, len(new_ticks), due)
+
+    async def _drop_evicted(self, due: dict[str, int]) -> None:
+        """Forget the worker's bookkeeping of nodes the core evicted, and delete their checkpoints."""
+        for node in self.core.take_evicted():
+            partition = self.partition_of.pop(node, None)
+            self.seen_at.pop(node, None)
+            self.last_offset.pop(node, None)
+            self.ticks_since_checkpoint.pop(node, None)
+            due.pop(node, None)
+            self.counters.nodes_evicted += 1
+            if node in self.checkpointed:
+                self.checkpointed.discard(node)
+                key = _node_key(b"C", node)
+                self.table.data.pop(key, None)
+                if partition is not None:
+                    await self.table.send_changelog(partition, key, None, value_serializer="raw")
+
+    async def evict_idle(self, now_s: float, due: dict[str, int] | None = None) -> list[str]:
+        """Evict nodes without batches for ``streams.node_idle_timeout_s`` at monotonic ``now_s``."""
+        self._next_sweep = now_s + _SWEEP_S
+        idle = [node for node, seen in self.seen_at.items() if now_s - seen > self.idle_timeout_s]
+        for node in idle:
+            self.core.forget(node)
+        await self._drop_evicted({} if due is None else due)
+        return idle
 
     async def publish(self, ticks, alerts) -> None:
         """Send outputs; delivery is awaited before the next checkpoint (and Faust flushes the
@@ -257,8 +324,6 @@ class StreamsWorker:
         """Read the node's missing batches back from the events topic (between its last applied
         offset and this record) and apply them, outputs included. What the topic does not hold
         stays a gap: the core then marks the node unsynced."""
-        from kvguard.wire.schemas import DecodeError, decode_batch
-
         start = self.last_offset[node] + 1
         records = await self.fetch_back(self.events_topic, message.partition, start, message.offset)
         self.counters.gap_fills += 1
@@ -271,6 +336,8 @@ class StreamsWorker:
             if missing.node != node or missing.epoch != batch.epoch or not st.seq < missing.seq < batch.seq:
                 continue
             new_ticks, new_alerts = self.core.process(missing)
+            if self.core.rejected:
+                continue
             ticks += new_ticks
             alerts += new_alerts
             found += 1
@@ -305,12 +372,10 @@ class StreamsWorker:
             self.last_offset.pop(node, None)
             self.checkpointed.discard(node)
             self.ticks_since_checkpoint.pop(node, None)
+            self.seen_at.pop(node, None)
             self.counters.nodes_dropped += 1
 
     async def dead_letter(self, message, value: bytes, headers, reason: str, detail: str) -> None:
-        import time
-
-        from kvguard.wire.schemas import DlqRecord, make_headers
 
         self.counters.dead_lettered += 1
         record = DlqRecord.of(reason=reason, detail=detail, topic=message.topic, partition=message.partition,
@@ -318,11 +383,19 @@ class StreamsWorker:
                               group=self.app_id, component="streams", dead_lettered_at_ns=time.time_ns())
         log.warning("dead-lettered %s/%d@%d: %s: %s", message.topic, message.partition, message.offset,
                     reason, detail)
-        fut = await self.dlq_topic.send(
-            key=message.key, value=record.to_bytes(),
-            headers=make_headers("dlq", "kvguard-streams",
-                                 record_id=f"{message.topic}/{message.partition}/{message.offset}"))
-        await fut
+        try:
+            fut = await self.dlq_topic.send(
+                key=message.key, value=record.to_bytes(),
+                headers=make_headers("dlq", "kvguard-streams",
+                                     record_id=f"{message.topic}/{message.partition}/{message.offset}"))
+            await fut
+        except Exception as exc:  # noqa: BLE001 - a DLQ outage must not stop the worker: count it and go on
+            self.counters.dlq_failed += 1
+            log.error("could not dead-letter %s/%d@%d (%s): %s", message.topic, message.partition,
+                      message.offset, reason, exc)
+
+
+_SWEEP_S = 30.0  # how often the worker looks for idle nodes (wall seconds)
 
 
 class FetchBack:
@@ -339,8 +412,7 @@ class FetchBack:
 
     async def __call__(self, topic: str, partition: int, start: int, stop: int) -> list[tuple[int, bytes]]:
         """(offset, value) of the records at offsets [start, stop)."""
-        import time
-
+        # aiokafka only when a gap is read back from the events topic
         from aiokafka import AIOKafkaConsumer, TopicPartition
 
         from kvguard.bus.kafka import client_kwargs
@@ -391,6 +463,7 @@ def _app_class(wait_ms: int):
     Faust 0.15's aiokafka driver builds its consumer with ``fetch_max_wait_ms=1500`` and no
     setting for it. On a broker that holds a fetch for the full wait before returning records
     that arrived meanwhile (Tansu 0.6), that wait is added to the decision latency (docs/ARCHITECTURE.md, "Targets")."""
+    # faust takes a second to import and patches the event loop: only when the worker builds its app
     import faust
     from faust.transport.drivers import aiokafka as driver
 
@@ -482,6 +555,7 @@ def _credentials(kafka):
     """Faust credentials from kvguard's Kafka settings (None for PLAINTEXT)."""
     if kafka.security_protocol == "PLAINTEXT":
         return None
+    # faust and aiokafka's TLS helpers only when the worker builds its app
     import faust
 
     ssl_context = None

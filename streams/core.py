@@ -20,7 +20,7 @@ feature history and predictor state, its alert timers rebased (counted in ``Node
 Hostile or broken input (``process_many``): each node's batches of one call are put in
 ``(epoch, seq)`` order and redeliveries dropped before anything is applied, so a duplicated batch,
 or batches reordered within one call, give the ticks of the clean stream. A batch is rejected,
-before any state changes, when it fails ``kvguard.wire.validate.check_batch`` against the
+before any state changes, when it fails ``kvguard.wire.validate``'s checks against the
 node's region, or when its epoch jumps more than ``max_epoch_jump`` past the node's (one record
 with epoch 2^62 would otherwise make every later batch of the node "older", silencing it for
 good). A batch whose application raises is rejected too, and its node marked unsynced (its state
@@ -49,7 +49,14 @@ from kvguard.streams.alerts import Alert, AlertEvaluator, AlertThresholds, defau
 from kvguard.streams.metrics import least_squares_slope, percentiles, tick_features
 from kvguard.streams.mirror import AllocatorMirror
 from kvguard.streams.predictor import DEFAULT_WINDOW_TICKS, FeatureHistory, Predictor, check_predictor
-from kvguard.wire.validate import DEFAULT_LIMITS, InvalidRecord, WireLimits, check_batch
+from kvguard.wire.validate import (
+    DEFAULT_LIMITS,
+    InvalidRecord,
+    WireLimits,
+    check_events,
+    check_geometry,
+    check_state,
+)
 
 log = logging.getLogger(__name__)
 K = EventKind
@@ -125,6 +132,7 @@ class StreamConfig:
 
 _SNAPSHOT = int(K.SNAPSHOT)
 _OOM = int(K.OOM)
+_INT62 = 1 << 62
 
 
 class Counts(NamedTuple):
@@ -562,13 +570,7 @@ class StreamCore:
             current = st.mirror.geometry if st.mirror is not None else None
             for group in _contiguous_groups(self._admit(st, node_batches), current):
                 try:
-                    if len(group) == 1:
-                        ticks = st.accept(group[0])
-                    else:
-                        first, last = group[0], group[-1]
-                        merged = EventBatch(node=node, seq=first.seq, epoch=first.epoch, geometry=first.geometry,
-                                            state=last.state, events=np.concatenate([b.events for b in group]))
-                        ticks = st.accept(merged, last_seq=last.seq)
+                    ticks = self._apply_group(st, group)
                 except Exception as err:  # noqa: BLE001 - one node's bad input must not stop the others
                     self._failed(st, group, err)
                     continue
@@ -576,11 +578,41 @@ class StreamCore:
                     produced.append((st, tick, self._window(st, len(ticks) - 1 - i)))
         return self._finish(produced)
 
+    def _apply_group(self, st: NodeState, group: list[EventBatch]) -> list[Tick]:
+        """Apply contiguous batches as one. Their events are checked against the node's region
+        (``check_events``) as one array first; when that fails, batch by batch, so only the bad
+        ones are rejected (before any of their rows is applied)."""
+        region = group[0].geometry or (st.mirror.geometry if st.mirror is not None else None)
+        units = None if region is None else region.dynamic_units
+        if len(group) == 1:
+            events = group[0].events
+        else:
+            events = np.concatenate([b.events for b in group])
+        try:
+            check_events(events, units, self.config.limits)
+        except InvalidRecord:
+            ticks = []
+            for b in group:
+                try:
+                    check_events(b.events, units, self.config.limits)
+                except InvalidRecord as err:
+                    self._reject(b, err.detail)
+                    continue
+                ticks += st.accept(b)
+            return ticks
+        if len(group) == 1:
+            return st.accept(group[0])
+        first, last = group[0], group[-1]
+        merged = EventBatch(node=st.node, seq=first.seq, epoch=first.epoch, geometry=first.geometry,
+                            state=last.state, events=events)
+        return st.accept(merged, last_seq=last.seq)
+
     def _admit(self, st: NodeState, batches: list[EventBatch]) -> list[EventBatch]:
         """The node's batches to apply, in ``(epoch, seq)`` order: redeliveries (at or before the
         node's position, or repeated within the call) are dropped and counted as duplicates;
-        batches failing ``check_batch`` against the node's region, or whose epoch jumps past
-        ``max_epoch_jump``, are rejected. Nothing of the node's state changes here."""
+        batches whose geometry or state dump is impossible (``kvguard.wire.validate``), or whose
+        epoch jumps past ``max_epoch_jump``, are rejected (their events are checked per group, in
+        ``_apply_group``). Nothing of the node's state changes here."""
         if len(batches) > 1:
             batches = sorted(batches, key=lambda b: (b.epoch, b.seq))
         epoch, seq = st.epoch, st.seq
@@ -598,7 +630,12 @@ class StreamCore:
                 continue
             region = b.geometry or geometry
             try:
-                check_batch(b, self.config.limits, None if geometry is None else geometry.dynamic_units)
+                if b.epoch > _INT62 or b.seq > _INT62:
+                    raise InvalidRecord(f"epoch/seq: {b.epoch}/{b.seq}, expected at most 2^62")
+                if b.geometry is not None:
+                    check_geometry(b.geometry, self.config.limits)
+                if b.state is not None:
+                    check_state(b.state, None if region is None else region.dynamic_units, self.config.limits)
             except InvalidRecord as err:
                 self._reject(b, err.detail)
                 continue
@@ -621,8 +658,10 @@ class StreamCore:
                   exc_info=err)
         if st.mirror is not None:
             st._unsynced(f"node {st.node}: applying a batch raised {type(err).__name__}")
+        rejected = {id(r.batch) for r in self.rejected}
         for b in group:
-            self._reject(b, detail, reason="processing_error")
+            if id(b) not in rejected:
+                self._reject(b, detail, reason="processing_error")
 
     def finish(self) -> tuple[list[Tick], list[Alert]]:
         """The end of the input (a log replayed to its last line): every node with events since its

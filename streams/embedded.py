@@ -6,7 +6,10 @@ Two shells, no logic of their own:
   (the in-process bus of the embedded default, or Kafka), decodes with ``kvguard.wire.schemas`` (bad
   records go to the DLQ), runs the core and publishes ticks to ``kvguard.metrics`` and alerts to
   ``kvguard.alerts`` keyed by node. It commits a poll's offsets only after every output of that poll
-  is acknowledged (at-least-once; the core skips redelivered batches by ``seq``).
+  is acknowledged (at-least-once; the core skips redelivered batches by ``seq``). Batches the core
+  rejects (impossible contents, an epoch jump) or whose application raises go to the DLQ with the
+  reason, counted and logged; the poll is committed past them. Nodes without batches for
+  ``streams.node_idle_timeout_s`` of wall time are evicted from the core.
 
 Records are built by ``kvguard.streams.outputs`` for every publishing path (this service, the
 Faust app, the embedded demo loop), so all carry byte-identical records with the same ids.
@@ -16,14 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvguard.bus.dlq import RecordDecoder
 from kvguard.contracts.tick import Tick
 from kvguard.streams.alerts import Alert
 from kvguard.streams.core import StreamConfig, StreamCore
 from kvguard.streams.outputs import output_records
 from kvguard.streams.predictor import Predictor
+from kvguard.wire.eventlog import read_event_log
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +38,6 @@ def run_event_log(path, config: StreamConfig | None = None, predictor: Predictor
                   chunk_batches: int = 64, flush_ns: int | None = None) -> Iterator[tuple[list[Tick], list[Alert]]]:
     """Replay an event log through a fresh core, yielding (ticks, alerts) per chunk of batches.
     ``flush_ns``: finally emit every node's ticks up to that event time."""
-    from kvguard.wire.eventlog import read_event_log
-
     core = StreamCore(config, predictor)
     _, batches = read_event_log(path)
     chunk = []
@@ -55,9 +59,15 @@ class ServiceCounters:
     events: int = 0
     ticks: int = 0
     alerts: int = 0
+    rejected: int = 0  # batches the core did not apply (dead-lettered)
+    errors: int = 0  # polls whose processing raised outside the core's per-batch isolation
+    nodes_evicted_idle: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
+
+
+_SWEEP_S = 30.0  # how often the service looks for idle nodes (wall seconds)
 
 
 class StreamsService:
@@ -65,16 +75,18 @@ class StreamsService:
 
     def __init__(self, bus, settings, predictor: Predictor | None = None, *, group: str = "kvguard-streams",
                  max_records: int = 500, config: StreamConfig | None = None):
-        from kvguard.bus.dlq import RecordDecoder
-
         self.bus = bus
         self.settings = settings
         self.core = StreamCore(config or StreamConfig.from_settings(settings.streams, settings.predictor), predictor)
         self.group = group
         self.max_records = max_records
         self.topics = {k: settings.topics.name(k) for k in ("events", "metrics", "alerts", "dlq")}
-        self.decoder = RecordDecoder(bus, self.topics["dlq"], component="streams", group=group)
+        self.decoder = RecordDecoder(bus, self.topics["dlq"], component="streams", group=group,
+                                     limits=self.core.config.limits)
         self.counters = ServiceCounters()
+        self.idle_timeout_s = float(getattr(settings.streams, "node_idle_timeout_s", 3600.0))
+        self._seen_at: dict[str, float] = {}  # node -> monotonic time of its last batch
+        self._next_sweep = time.monotonic() + _SWEEP_S
         self._stopping = asyncio.Event()
 
     def stop(self) -> None:
@@ -100,15 +112,27 @@ class StreamsService:
 
     async def handle(self, records) -> tuple[list[Tick], list[Alert]]:
         """Decode, process, publish; returns what was published."""
-        batches = []
+        batches, record_of = [], {}
         for record in records:
             batch = await self.decoder.decode_batch(record)
             if batch is not None:
                 batches.append(batch)
+                record_of[id(batch)] = record
         self.counters.polls += 1
-        self.counters.batches += len(batches)
-        self.counters.events += sum(len(b) for b in batches)
-        ticks, alerts = self.core.process_many(batches)
+        try:
+            ticks, alerts = self.core.process_many(batches)
+        except Exception as err:  # noqa: BLE001 - past the core's per-batch isolation (e.g. the predictor)
+            self.counters.errors += 1
+            for batch in batches:
+                await self.decoder.handler_failed(record_of[id(batch)], err)
+            return [], []
+        for rejection in self.core.rejected:
+            self.counters.rejected += 1
+            await self.decoder.dead_letter(record_of[id(rejection.batch)], rejection.reason, rejection.detail)
+        applied = len(batches) - len(self.core.rejected)
+        self.counters.batches += applied
+        self.counters.events += sum(len(b) for b in batches) - sum(len(r.batch) for r in self.core.rejected)
+        self._note_seen(batches)
         futures = [await self.bus.publish(self.topics[r.kind], r.key, r.value, r.headers)
                    for r in output_records(ticks, alerts)]
         if futures:
@@ -116,3 +140,24 @@ class StreamsService:
         self.counters.ticks += len(ticks)
         self.counters.alerts += len(alerts)
         return ticks, alerts
+
+    def _note_seen(self, batches) -> None:
+        now = time.monotonic()
+        for batch in batches:
+            self._seen_at.pop(batch.node, None)
+            self._seen_at[batch.node] = now
+        for node in self.core.take_evicted():  # by the core's cap
+            self._seen_at.pop(node, None)
+        if now >= self._next_sweep:
+            self._next_sweep = now + _SWEEP_S
+            self.evict_idle(now)
+
+    def evict_idle(self, now_s: float) -> list[str]:
+        """Evict nodes without batches for ``streams.node_idle_timeout_s`` at monotonic ``now_s``."""
+        idle = [node for node, seen in self._seen_at.items() if now_s - seen > self.idle_timeout_s]
+        for node in idle:
+            del self._seen_at[node]
+            if self.core.forget(node):
+                self.counters.nodes_evicted_idle += 1
+        self.core.take_evicted()
+        return idle

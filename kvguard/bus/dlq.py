@@ -9,9 +9,15 @@
             core.process(batch)
         await record.commit()
 
+Decoding includes the semantic checks of ``kvguard.wire.validate`` (caps from ``limits``) and,
+for records keyed by node, that the key names the record's node: a failure is dead-lettered as
+``invalid`` with the reason. A record that decoded but made its handler raise is dead-lettered
+by the consumer through ``handler_failed(record, error)`` (counted, logged, reason
+``processing_error``), so one poison record never stops a service or stalls its partition.
+
 Every path is counted in ``decoder.counters``: ``received``, ``decoded``, ``dead_lettered``
-(per reason), and ``dlq_failed`` (the DLQ itself could not take the record: it is then only
-counted and logged, so the consumer still never blocks on a poison record).
+(per reason, ``processing_error`` for handlers that raised) and ``dlq_failed`` (the DLQ itself could not take the record: it
+is then only counted and logged, so the consumer still never blocks on a poison record).
 """
 
 from __future__ import annotations
@@ -25,15 +31,18 @@ from typing import Any
 from kvguard.bus.base import Bus, Record
 from kvguard.contracts.events import EventBatch
 from kvguard.wire.schemas import DecodeError, DlqRecord, EventBatchRecord, WireModel, decode, make_headers
+from kvguard.wire.validate import InvalidRecord, WireLimits, check_key
 
 log = logging.getLogger(__name__)
+
+PROCESSING_ERROR = "processing_error"  # DLQ reason: the record decoded, its handler raised
 
 
 @dataclass(slots=True)
 class DecodeCounters:
     received: int = 0
     decoded: int = 0
-    dead_lettered: Counter = field(default_factory=Counter)  # reason -> records
+    dead_lettered: Counter = field(default_factory=Counter)  # reason -> records (processing_error: the handler raised)
     dlq_failed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -47,23 +56,39 @@ class DecodeCounters:
 
 
 class RecordDecoder:
-    def __init__(self, bus: Bus, dlq_topic: str, *, component: str, group: str = ""):
+    def __init__(self, bus: Bus, dlq_topic: str, *, component: str, group: str = "",
+                 limits: WireLimits | None = None):
         self.bus = bus
         self.dlq_topic = dlq_topic
         self.component = component
         self.group = group
+        self.limits = limits
         self.counters = DecodeCounters()
 
     async def decode(self, kind: str, record: Record) -> WireModel | None:
         """The record's model, or None after sending it to the DLQ."""
         self.counters.received += 1
         try:
-            model = decode(kind, record.value, record.headers)
+            model = decode(kind, record.value, record.headers, limits=self.limits)
+            node = getattr(model, "node", None)
+            if isinstance(node, str):
+                check_key(record.key, node)
         except DecodeError as exc:
             await self.dead_letter(record, exc.reason, exc.detail)
             return None
+        except InvalidRecord as exc:
+            await self.dead_letter(record, "invalid", exc.detail)
+            return None
         self.counters.decoded += 1
         return model
+
+    async def handler_failed(self, record: Record, error: BaseException) -> None:
+        """The record decoded but its handler raised: log and dead-letter it (counted under
+        ``dead_lettered["processing_error"]``)."""
+        detail = f"{type(error).__name__}: {error}"
+        log.error("%s: handling %s/%d@%d raised %s; dead-lettered, going on", self.component, record.topic,
+                  record.partition, record.offset, detail)
+        await self.dead_letter(record, PROCESSING_ERROR, detail)
 
     async def decode_batch(self, record: Record) -> EventBatch | None:
         model = await self.decode("events", record)

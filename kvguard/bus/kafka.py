@@ -163,6 +163,8 @@ class KafkaBus:
             "acks": "all" if kafka.idempotent else (kafka.acks if kafka.acks == "all" else int(kafka.acks)),
             "enable_idempotence": kafka.idempotent,
             "compression_type": kafka.compression,
+            # the same limit the node publisher splits batches to (kafka.max_message_bytes)
+            "max_request_size": kafka.max_message_bytes,
             **kafka.producer_options,
         }
         producer = AIOKafkaProducer(**options)

@@ -34,7 +34,8 @@ def node(
     rate_scale: float = typer.Option(1.0, "--rate-scale"),
     speed: float = typer.Option(10.0, "--speed", min=0.01, help="Simulated seconds per wall second."),
     seed: int = typer.Option(0, "--seed"),
-    host: str = typer.Option("sim-0", "--host", help="Node ids are <host>/gpu<i>."),
+    host: str = typer.Option(None, "--host", help="Node ids are <host>/gpu<i> (default: the host part of "
+                                                 "node.node_id, e.g. KVGUARD_NODE__NODE_ID=$(NODE_NAME)/gpu0, else sim-0)."),
     profile: str = typer.Option(None, "--profile"),
     bus: str = typer.Option(None, "--bus", help="kafka://HOST:PORT (default: kafka.bootstrap from settings)."),
     journal_dir: Path = typer.Option(None, "--journal-dir",
@@ -63,6 +64,8 @@ def node(
     except (ConfigError, BootstrapError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
+    # each node process needs its own ids (and so its own actuator consumer group): from settings when set
+    host = host or (settings.node.node_id.rsplit("/", 1)[0] if settings.node.node_id else "sim-0")
     duration_s = parse_duration(duration)
     try:
         wl = demo_workload(graph.profile, workload=workload, rate_scale=rate_scale, duration_s=duration_s, seed=seed)

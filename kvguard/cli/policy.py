@@ -27,6 +27,8 @@ def policy(
     max_seconds: float = typer.Option(None, "--max-seconds", help="Stop after this many wall seconds."),
     config: Path = typer.Option(None, "--config", help="Settings file (TOML/JSON)."),
     json_out: bool = typer.Option(False, "--json", help="On exit, print the counters as one JSON object."),
+    insecure_dev: bool = typer.Option(False, "--insecure-dev",
+                                      help="Accept a short or placeholder policy.hmac_secret (throwaway setups only)."),
 ) -> None:
     """Run the policy engine: ticks in, signed commands out."""
     import logging
@@ -43,7 +45,7 @@ def policy(
         slo_ledger = make_slo_ledger(settings, redis)
         # the SLO's operating threshold is predictor.threshold here (this process loads no model)
         graph = bootstrap(settings, bus=carrier, ledger=ledger, slo_ledger=slo_ledger, profile=profile,
-                          predictor=None, require_secret=True)
+                          predictor=None, require_secret=True, insecure_dev=insecure_dev)
     except (ConfigError, BootstrapError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
@@ -64,7 +66,10 @@ def policy(
                 led.close()
 
     asyncio.run(main())
+    decoder = getattr(service, "decoder", None)
     counters = {"ticks": service.ticks, "engine": service.engine.counters.as_dict(),
+                "errors": service.errors, "rejected": service.rejected,
+                "decoder": decoder.counters.as_dict() if decoder is not None else None,
                 "slo": service.slo.counters.as_dict() if service.slo else None,
                 "ledger": {name: led.stats().to_dict() if hasattr(led, "stats") else {}
                            for name, led in (("budget", ledger), ("slo", slo_ledger))},

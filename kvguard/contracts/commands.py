@@ -6,7 +6,10 @@ actuator only ever executes what a holder of the secret issued. Its ``id`` is an
 key derived from what caused it (node, tick time, action, position), so re-deciding the same
 tick after a policy restart reissues the same ids and the actuator applies each at most once.
 A command is valid from ``issued_at_ns`` for ``ttl_ns``; an actuator rejects it after that,
-because a decision taken on stale pressure can hurt more than it helps.
+because a decision taken on stale pressure can hurt more than it helps. It also carries (signed)
+the producer ``epoch`` of the tick it was decided on: a node's clock starts over when it restarts,
+so a command of an earlier run could otherwise look fresh on the new clock; the actuator rejects
+commands of any other epoch than its node's.
 
 Pure: standard library only.
 """
@@ -43,6 +46,9 @@ class AckOutcome(StrEnum):
     REJECTED_SIGNATURE = "rejected_signature"
     REJECTED_EXPIRED = "rejected_expired"
     REJECTED_NODE = "rejected_node"  # addressed to another node
+    REJECTED_EPOCH = "rejected_epoch"  # decided on another run of the node (another producer epoch)
+    REJECTED_FUTURE = "rejected_future"  # issued further ahead of the node's clock than the allowed skew
+    REJECTED_TTL = "rejected_ttl"  # valid for longer than the actuator allows
     DUPLICATE = "duplicate"
     FAILED = "failed"
 
@@ -80,6 +86,7 @@ class Command:
     ttl_ns: int
     units_needed: int = 0
     max_moves: int = 0
+    epoch: int = 0  # the producer epoch of the tick it was decided on (signed)
     signature: str = ""
 
     def expires_at_ns(self) -> int:
@@ -104,6 +111,7 @@ class Command:
             "ttl_ns": self.ttl_ns,
             "units_needed": self.units_needed,
             "max_moves": self.max_moves,
+            "epoch": self.epoch,
             "signature": self.signature,
         }
 
@@ -124,9 +132,10 @@ class Command:
                 ttl_ns=int(_req(d, "ttl_ns")),
                 units_needed=int(d.get("units_needed", 0)),
                 max_moves=int(d.get("max_moves", 0)),
+                epoch=int(d.get("epoch", 0)),
                 signature=str(d.get("signature", "")),
             )
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, OverflowError) as err:
             if isinstance(err, CommandError):
                 raise
             raise CommandError("targets", d.get("targets"), f"a list of [req, units] ({err})") from None

@@ -93,6 +93,8 @@ class NodeReplay:
     arrivals: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # req -> (ts, prompt, priority)
     admits: list[tuple[int, int]] = field(default_factory=list)  # (ts, req)
     events: int = 0
+    duplicates: int = 0  # batches at or before the node's last (epoch, seq): a log fed twice, a redelivery
+    rejected: int = 0  # batches the stream core rejected (impossible contents, an epoch jump)
 
 
 @dataclass(slots=True)
@@ -143,7 +145,9 @@ class OomReport:
 def replay(batches: Iterable[EventBatch], core, *, node: str | None = None,
            progress: Callable[[int], None] | None = None) -> Replay:
     """Run ``batches`` (one log, in order) through ``core``; with ``node`` only that node's batches.
-    ``progress(events_so_far)`` is called after each batch."""
+    ``progress(events_so_far)`` is called after each batch. A batch at or before its node's last
+    ``(epoch, seq)`` is a duplicate (a log fed twice) and counted once only, as the core does;
+    a batch the core rejects is counted in neither the events nor the OOMs."""
     nodes: dict[str, NodeReplay] = {}
     mirrors: dict[str, AllocatorMirror] = {}
     cfg = core.config
@@ -157,17 +161,27 @@ def replay(batches: Iterable[EventBatch], core, *, node: str | None = None,
                 (int(a.ts_ns), a.rule, int(a.tier), a.state == FIRING))
 
     last_ts = 0
+    position: dict[str, tuple[int, int]] = {}  # node -> (epoch, seq) of its last applied batch
     for batch in batches:
         if node is not None and batch.node != node:
             continue
         nr = nodes.setdefault(batch.node, NodeReplay(batch.node))
+        key = (batch.epoch, batch.seq)
+        if batch.node in position and key <= position[batch.node]:
+            nr.duplicates += 1
+            continue
+        outputs = core.process(batch)
+        if core.rejected:
+            nr.rejected += 1
+            continue
+        position[batch.node] = key
         ev = batch.events
         nr.events += len(ev)
         total += len(ev)
         if len(ev):
             last_ts = max(last_ts, int(ev["ts_ns"].max()))
         _scan_rows(nr, batch, mirrors, cfg)
-        absorb(*core.process(batch))
+        absorb(*outputs)
         if progress is not None:
             progress(total)
     absorb(*core.flush(last_ts + core.config.tick_ns))
@@ -336,6 +350,7 @@ def plot_oom(report: OomReport, ticks: list[TickRow], path: str, *, window_s: fl
              other_ooms_ns: Iterable[int] = ()) -> None:
     """U_kv and F_ext, largest-free-run/requested and P(OOM) over the window before the OOM; one lane
     per alert tier with its firing spans shaded; the OOM (and earlier OOMs of the node) marked."""
+    # matplotlib takes a second to import: only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")

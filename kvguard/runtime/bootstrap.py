@@ -5,6 +5,12 @@ command needs — the demo, a node process, the policy service, the stream worke
 settings, so a number (tick, thresholds, TTL, secret, profile) is read in one place only. Tests
 pass small working parts (an ``InprocBus``, a ``MemoryBudgetLedger``); nothing here connects,
 starts or reads a clock at import time, and the bus/ledger are only built when asked for.
+
+Secrets: in multi-process mode (``require_secret``: the policy service, a node with actuators)
+the shared HMAC secret must be at least ``MIN_SECRET_BYTES`` long and not a known placeholder
+(``x``, ``change-me-dev-only``, …); otherwise the process refuses to start, unless
+``insecure_dev`` (``--insecure-dev``) says this is a throwaway setup. The embedded in-process
+mode makes up a random secret when none is set.
 """
 
 from __future__ import annotations
@@ -15,7 +21,30 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from kvguard.actuators.actuator import Actuator, AppliedJournal
+from kvguard.actuators.executor import Executor
+from kvguard.bus.inproc import InprocBus
+from kvguard.policy.budget import BudgetConfig, MemoryBudgetLedger
+from kvguard.policy.engine import EngineConfig, PolicyEngine
+from kvguard.policy.planner import CostModel, PlannerConfig
+from kvguard.policy.service import PolicyService, SloRecorder
+from kvguard.policy.slo import SloConfig
+from kvguard.policy.strategy import PRESETS, strategy_from_mapping
+from kvguard.producers.fleet import Fleet
+from kvguard.producers.profiles import load_profile
+from kvguard.streams.core import StreamConfig, StreamCore
+from kvguard.streams.metrics import FEATURE_NAMES
+from kvguard.wire.settings import Settings
+
 log = logging.getLogger(__name__)
+
+MIN_SECRET_BYTES = 32
+# placeholders seen in examples, compose files and manifests (compared case-insensitively)
+PLACEHOLDER_SECRETS = frozenset({
+    "x", "xx", "xxx", "secret", "changeme", "change-me", "change_me", "change-me-dev-only", "replace-me",
+    "replace_me", "replaceme", "dev", "test", "password", "hmac", "hmac-secret", "kvguard", "default",
+    "example", "todo", "...", "…",
+})
 
 
 class BootstrapError(ValueError):
@@ -43,19 +72,16 @@ class Graph:
     # -- stream side ----------------------------------------------------------------------------
 
     def stream_config(self, **overrides: Any):
-        from kvguard.streams.core import StreamConfig
-
         section = self.settings.predictor
         config = StreamConfig.from_settings(self.settings.streams, section, **overrides)
         if "threshold" not in section.model_fields_set and self.predictor is not None:
+            # torch (the LSTM) is loaded only when a predictor runs
             from kvguard.streams.lstm import with_model_threshold
 
             config = with_model_threshold(config, self.predictor)
         return config
 
     def stream_core(self, *, with_predictor: bool = True):
-        from kvguard.streams.core import StreamCore
-
         predictor = self.predictor if with_predictor else None
         window = getattr(predictor, "window_ticks", None)
         config = self.stream_config(**({"window_ticks": window} if window else {}))
@@ -64,17 +90,12 @@ class Graph:
     # -- policy side ----------------------------------------------------------------------------
 
     def policy_engine(self):
-        from kvguard.policy.engine import PolicyEngine
-
         return PolicyEngine(self.engine_config, self.secret)
 
     def slo_recorder(self, slo_ledger: Any = None, *, confirm_with_acks: bool = False):
         """The SLO recorder over ``slo_ledger`` (default: the graph's; None when neither is set).
         Predictions are labelled at the operating threshold: the predictor's calibrated one unless
         ``predictor.threshold`` is set, the same line the stream's tier-3 alert uses."""
-        from kvguard.policy.service import SloRecorder
-        from kvguard.policy.slo import SloConfig
-
         slo_ledger = slo_ledger if slo_ledger is not None else self.slo_ledger
         if slo_ledger is None:
             return None
@@ -85,8 +106,6 @@ class Graph:
 
     def policy_service(self, *, bus: Any = None, ledger: Any = None, slo: Any = None):
         """``slo``: an ``SloRecorder`` (default: one over the graph's SLO ledger, if any)."""
-        from kvguard.policy.service import PolicyService
-
         return PolicyService(self.policy_engine(), self.settings, bus=bus or self.bus,
                              ledger=ledger if ledger is not None else self.ledger,
                              slo=slo if slo is not None else self.slo_recorder())
@@ -94,37 +113,38 @@ class Graph:
     # -- node side ------------------------------------------------------------------------------
 
     def fleet(self, n_gpus: int, *, seed: int = 0, host: str = "sim-0", snapshot_every_s: float = 60.0):
-        from kvguard.producers.fleet import Fleet
-
         return Fleet(n_gpus, self.profile, seed=seed, host=host, snapshot_every_s=snapshot_every_s)
 
-    def actuators(self, engines: list[Any], *, journal_dir: str | Path | None = None) -> dict[str, Any]:
-        """One actuator per engine; with ``journal_dir`` each keeps its applied-id journal there."""
-        from kvguard.actuators.actuator import Actuator, AppliedJournal
-        from kvguard.actuators.executor import Executor
-
+    def actuators(self, engines: list[Any], *, journal_dir: str | Path | None = None,
+                  epoch: int | None = None) -> dict[str, Any]:
+        """One actuator per engine; with ``journal_dir`` each keeps its applied-id journal there
+        (the node process passes ``node.journal_dir``; None keeps it in memory, as the embedded
+        loop does). ``epoch``: the producer epoch of the engines' run (commands of another epoch
+        are rejected; None: not checked). Skew and TTL caps from ``node.command_max_*``."""
+        node_settings = self.settings.node
         out = {}
         for engine in engines:
             path = None
             if journal_dir is not None:
-                path = Path(journal_dir) / (engine.node.replace("/", "_").replace(":", "_") + ".applied")
+                path = Path(journal_dir).expanduser() / (engine.node.replace("/", "_").replace(":", "_") + ".applied")
             out[engine.node] = Actuator(engine.node, Executor(engine), self.secret,
-                                        journal=AppliedJournal(path))
+                                        journal=AppliedJournal(path), epoch=epoch,
+                                        max_skew_ns=int(node_settings.command_max_skew_s * 1e9),
+                                        max_ttl_ns=int(node_settings.command_max_ttl_s * 1e9))
         return out
 
 
 def bootstrap(settings: Any = None, *, bus: Any = None, ledger: Any = None, slo_ledger: Any = None,
               profile: str | None = None,
               predictor: Any = "shipped", strategy_overrides: Mapping[str, Mapping[str, Any]] | None = None,
-              require_secret: bool = False) -> Graph:
+              require_secret: bool = False, insecure_dev: bool = False) -> Graph:
     """Build the graph. ``predictor``: ``"shipped"`` (load the shipped LSTM if present), ``None``
     (no tier 3), a path, or a ready predictor object. ``require_secret``: multi-process mode, where
-    policy and actuators must share ``policy.hmac_secret`` (an embedded run makes one up)."""
-    from kvguard.wire.settings import Settings
-
+    policy and actuators must share ``policy.hmac_secret`` (an embedded run makes one up), and a
+    weak one is refused unless ``insecure_dev``."""
     settings = settings if settings is not None else Settings.load()
     prof = _profile(profile)
-    secret, generated = _secret(settings, require_secret)
+    secret, generated = _secret(settings, require_secret, insecure_dev)
     engine_config = engine_config_from(settings, prof, strategy_overrides or {})
     graph = Graph(settings=settings, profile=prof, secret=secret, secret_generated=generated,
                   engine_config=engine_config, bus=bus, ledger=ledger, slo_ledger=slo_ledger)
@@ -134,10 +154,6 @@ def bootstrap(settings: Any = None, *, bus: Any = None, ledger: Any = None, slo_
 
 def engine_config_from(settings: Any, profile: Any, strategy_overrides: Mapping[str, Mapping[str, Any]]):
     """Policy numbers: the strategies from settings (and overrides), the rest from the profile."""
-    from kvguard.policy.engine import EngineConfig
-    from kvguard.policy.planner import CostModel, PlannerConfig
-    from kvguard.policy.strategy import PRESETS, strategy_from_mapping
-
     policy = settings.policy
     default = replace(PRESETS[policy.preset], scan_interval_s=float(policy.async_scan_s), name=policy.preset)
     emergency = PRESETS["emergency"]
@@ -158,16 +174,16 @@ def engine_config_from(settings: Any, profile: Any, strategy_overrides: Mapping[
                         command_ttl_s=float(policy.command_ttl_s), dynamic_units=geometry.dynamic_units,
                         unit_tokens=geometry.unit_tokens,
                         engine_reserve_units=workspace + int(0.01 * geometry.dynamic_units),
-                        budget_f_ext=float(settings.budget.f_ext_threshold))
+                        budget_f_ext=float(settings.budget.f_ext_threshold),
+                        max_nodes=policy.max_nodes, max_epoch_jump=policy.max_epoch_jump)
 
 
 def make_ledger(settings: Any, redis_url: str | None = None):
     """The budget ledger: Redis when a URL is given, else the in-memory one (embedded)."""
-    from kvguard.policy.budget import BudgetConfig, MemoryBudgetLedger
-
     config = BudgetConfig.from_settings(settings)
     if not redis_url:
         return MemoryBudgetLedger(config)
+    # redis is loaded only when a ledger URL is given
     from kvguard.policy.budget_redis import RedisBudgetLedger
 
     return RedisBudgetLedger(redis_url, config)
@@ -175,7 +191,7 @@ def make_ledger(settings: Any, redis_url: str | None = None):
 
 def make_slo_ledger(settings: Any, redis_url: str | None = None):
     """The SLO ledger: Redis when a URL is given, else the in-memory one (embedded)."""
-    from kvguard.policy.slo import SloConfig
+    # redis is loaded only when a ledger URL is given
     from kvguard.policy.slo_redis import open_slo_ledger
 
     return open_slo_ledger(redis_url, SloConfig.from_settings(settings))
@@ -184,11 +200,10 @@ def make_slo_ledger(settings: Any, redis_url: str | None = None):
 def make_bus(settings: Any, bus_url: str | None):
     """``None``/``inproc://`` → the in-process bus; ``kafka://host:port`` → Kafka."""
     if not bus_url or bus_url.startswith("inproc"):
-        from kvguard.bus.inproc import InprocBus
-
         return InprocBus.from_settings(settings)
     if not bus_url.startswith("kafka://"):
         raise BootstrapError("--bus", f"expected kafka://HOST:PORT or inproc://, got {bus_url!r}")
+    # aiokafka is loaded only for a Kafka bus
     from kvguard.bus.kafka import KafkaBus
 
     kafka = settings.kafka.model_copy(update={"bootstrap": bus_url[len("kafka://"):]})
@@ -196,14 +211,32 @@ def make_bus(settings: Any, bus_url: str | None):
 
 
 def _profile(name: str | None):
-    from kvguard.producers.profiles import load_profile
-
     return load_profile(name)
 
 
-def _secret(settings: Any, required: bool) -> tuple[bytes, bool]:
+def secret_problem(text: str) -> str | None:
+    """Why ``text`` is no HMAC secret to share between processes, or None."""
+    if text.strip().lower() in PLACEHOLDER_SECRETS:
+        return f"is a placeholder ({text!r})"
+    if len(text.encode()) < MIN_SECRET_BYTES:
+        return f"is {len(text.encode())} bytes, shorter than {MIN_SECRET_BYTES}"
+    if len(set(text)) < 4:
+        return "repeats too few characters to be random"
+    return None
+
+
+def _secret(settings: Any, required: bool, insecure_dev: bool = False) -> tuple[bytes, bool]:
     text = settings.policy.hmac_secret
     if text:
+        problem = secret_problem(text)
+        if problem is not None and required and not insecure_dev:
+            raise BootstrapError("policy.hmac_secret", f"{problem}; policy and actuators trust whoever holds it. "
+                                 "Generate one (python -c 'import secrets; print(secrets.token_hex(32))') and set "
+                                 "KVGUARD_POLICY__HMAC_SECRET on the policy and every node, or pass --insecure-dev "
+                                 "for a throwaway setup")
+        if problem is not None:
+            log.warning("policy.hmac_secret %s (accepted: %s)", problem,
+                        "--insecure-dev" if required else "in-process mode")
         return text.encode(), False
     if required:
         raise BootstrapError("policy.hmac_secret", "empty; policy and actuators in separate processes must "
@@ -218,8 +251,8 @@ def _predictor(settings: Any, predictor: Any) -> tuple[Any, str]:
         return predictor, "LSTM tier: given predictor"
     path = settings.predictor.model_path if predictor == "shipped" else predictor
     try:
+        # torch (the LSTM) is loaded only when a predictor is asked for
         from kvguard.streams.lstm import ModelError, load_model
-        from kvguard.streams.metrics import FEATURE_NAMES
     except ImportError as err:  # torch missing
         return None, f"no LSTM tier ({err})"
     try:

@@ -155,7 +155,7 @@ def run_summary(fleet: Any, result: RunResult, service: Any, actuators: dict, gr
                                          "malformed", "units_freed", "units_moved")}
         for a in actuators.values():
             for k, v in a.counters.as_dict().items():
-                counters[k] += v
+                counters[k] = counters.get(k, 0) + v
         out["kvguard"] = {
             "policy": service.engine.counters.as_dict(),
             "budget_unavailable_ticks": service.budget_errors,

@@ -48,7 +48,7 @@ async def run_node(graph: Any, bus: Any, workload: Any, *, n_gpus: int, duration
 
     publisher = NodePublisher.from_settings(bus, settings, take_batches)
     stop = asyncio.Event()
-    actuators = graph.actuators(fleet.engines, journal_dir=journal_dir) if actuate else {}
+    actuators = graph.actuators(fleet.engines, journal_dir=journal_dir, epoch=fleet.epoch) if actuate else {}
     acks: list = acks_out if acks_out is not None else []
 
     def record_ack(ack) -> None:

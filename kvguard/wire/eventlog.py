@@ -3,7 +3,10 @@
 Line 1: ``{"type":"header","schema":"1.0","created_by":…,"meta":{…}}``; then per batch
 ``{"type":"batch","node":…,"epoch":…,"seq":…,"geometry":{…}|null,"state":{…}|null,"cols":{col:[…]}}``.
 Columns are the names of ``EVENT_DTYPE``. Writing is deterministic (sorted keys, no gzip mtime), so the
-same batches give byte-identical files. Pure: standard library + numpy.
+same batches give byte-identical files. Reading checks each batch's contents as the bus does
+(``kvguard.wire.validate``: known event kinds, page runs inside the node's region as its last
+geometry in the log gives it, caps): a bad line raises ``EventLogError`` naming its line, never a
+traceback further down. Pure: standard library + numpy.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from kvguard.contracts.events import COLUMNS, EVENT_DTYPE, SCHEMA_VERSION, EventBatch, Geometry, PoolState
+from kvguard.wire.validate import DEFAULT_LIMITS, InvalidRecord, WireLimits, check_batch
 
 CREATED_BY = "kvguard"
 
@@ -104,7 +108,7 @@ def write_event_log(path: str | Path, batches: Iterable[EventBatch], meta: dict 
     return w.events
 
 
-def read_event_log(path: str | Path) -> tuple[dict, Iterator[EventBatch]]:
+def read_event_log(path: str | Path, *, limits: WireLimits = DEFAULT_LIMITS) -> tuple[dict, Iterator[EventBatch]]:
     """``(meta, batches)``; the header is read now, batches lazily. Bad lines raise ``EventLogError``."""
     path = str(path)
     try:
@@ -125,13 +129,14 @@ def read_event_log(path: str | Path) -> tuple[dict, Iterator[EventBatch]]:
         raise EventLogError(path, 1, f"schema {SCHEMA_VERSION}, got {header.get('schema')!r}")
 
     def batches() -> Iterator[EventBatch]:
+        region: dict[str, int] = {}  # node -> D of its latest geometry in the log
         with fh:
             line_no = 1
             while True:
                 try:
                     line = fh.readline()
-                except (OSError, EOFError) as e:
-                    raise EventLogError(path, line_no + 1, f"more gzip data ({e})") from None
+                except (OSError, EOFError, UnicodeDecodeError) as e:
+                    raise EventLogError(path, line_no + 1, f"more gzip data of UTF-8 JSON lines ({e})") from None
                 if not line:
                     return
                 line_no += 1
@@ -143,6 +148,13 @@ def read_event_log(path: str | Path) -> tuple[dict, Iterator[EventBatch]]:
                     raise EventLogError(path, line_no, f"a JSON batch line ({e.msg})") from None
                 if not isinstance(d, dict) or d.get("type") != "batch":
                     raise EventLogError(path, line_no, 'a line with "type":"batch"')
-                yield batch_from_dict(d, path, line_no)
+                batch = batch_from_dict(d, path, line_no)
+                try:
+                    check_batch(batch, limits, region.get(batch.node))
+                except InvalidRecord as e:
+                    raise EventLogError(path, line_no, f"a valid batch of node {batch.node!r} ({e.detail})") from None
+                if batch.geometry is not None:
+                    region[batch.node] = int(batch.geometry.dynamic_units)
+                yield batch
 
     return dict(header.get("meta") or {}), batches()

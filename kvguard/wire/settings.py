@@ -42,8 +42,31 @@ class ConfigError(ValueError):
         super().__init__(f"{field}: {problem}{where}")
 
 
+_SECRET_WORDS = ("password", "secret", "token")
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def __repr_args__(self):
+        """``repr``/``str`` never show a secret: secret fields are ``repr=False``; secret-looking
+        keys of option dicts and the password of a URL are masked here."""
+        for name, value in super().__repr_args__():
+            if isinstance(value, dict):
+                value = {k: "***" if any(w in str(k).lower() for w in _SECRET_WORDS) else v for k, v in value.items()}
+            elif isinstance(value, str) and "://" in value and "@" in value:
+                value = _mask_url(value)
+            yield name, value
+
+
+def _mask_url(url: str) -> str:
+    """``redis://user:pw@host`` -> ``redis://user:***@host``."""
+    scheme, _, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not at:
+        return url
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user}{':***' if colon else ''}@{host}" if colon else f"{scheme}://***@{host}"
 
 
 class KafkaSettings(_Section):
@@ -52,12 +75,15 @@ class KafkaSettings(_Section):
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
     sasl_username: str | None = None
-    sasl_password: str | None = None
+    sasl_password: str | None = Field(None, repr=False)
     ssl_cafile: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     linger_ms: int = Field(5, ge=0)
     max_batch_bytes: int = Field(1_048_576, gt=0)
+    # the broker's limit on one record (Kafka's message.max.bytes, aiokafka's max_request_size):
+    # the node publisher splits an event batch that would not fit
+    max_message_bytes: int = Field(1_048_576, gt=0)
     # records accepted by publish() but not yet acknowledged by the broker; publish() waits
     # (backpressure) at this bound and refuses, counted as dropped, after send_buffer_timeout_s
     send_buffer_records: int = Field(100_000, gt=0)
@@ -137,7 +163,7 @@ class TopicsSettings(_Section):
 
 class RedisSettings(_Section):
     url: str = "redis://127.0.0.1:6379/0"
-    password: str | None = None
+    password: str | None = Field(None, repr=False)
     tls: bool = False
     ssl_cafile: str | None = None
 
@@ -166,6 +192,15 @@ class StreamsSettings(_Section):
     # chunks of up to chunk_max_records, waiting at most chunk_max_wait_s to fill one
     chunk_max_records: int = Field(1000, gt=0)
     chunk_max_wait_s: float = Field(0.01, gt=0)
+    # hostile input (kvguard.wire.validate, streams.core): caps on one record, epoch jumps, and
+    # per-node state (past max_nodes the least recently seen node is evicted; a node idle for
+    # node_idle_timeout_s of wall time is evicted by the worker)
+    max_batch_events: int = Field(1 << 20, gt=0)
+    max_dynamic_units: int = Field(1 << 24, gt=0)
+    max_state_refs: int = Field(1 << 22, gt=0)
+    max_epoch_jump: int = Field(1 << 61, gt=0)
+    max_nodes: int = Field(10_000, gt=0)
+    node_idle_timeout_s: float = Field(3600.0, gt=0)
 
 
 class PredictorSettings(_Section):
@@ -186,6 +221,12 @@ class PolicySettings(_Section):
     # policy.strategy.strategy_from_mapping, which names the bad field as policy.default.<field>
     default: dict[str, Any] = Field(default_factory=dict)
     emergency: dict[str, Any] = Field(default_factory=dict)
+    # per-node state of the policy engine: at most max_nodes nodes (least recently seen evicted),
+    # a node without ticks for node_idle_timeout_s of wall time evicted; a tick whose epoch jumps
+    # more than max_epoch_jump past its node's is dead-lettered, not taken as a restart
+    max_nodes: int = Field(10_000, gt=0)
+    node_idle_timeout_s: float = Field(3600.0, gt=0)
+    max_epoch_jump: int = Field(1 << 61, gt=0)
 
 
 class BudgetSettings(_Section):
@@ -209,6 +250,20 @@ class NodeSettings(_Section):
     # outage buffer of the node publisher: batches held while the broker is unreachable
     max_buffered_batches: int = Field(10_000, gt=0)
     max_buffered_events: int = Field(5_000_000, gt=0)
+    # the actuators' checks (kvguard.actuators.actuator): a command issued further ahead of the
+    # node's clock than the skew, or valid for longer than the TTL cap, is rejected
+    command_max_skew_s: float = Field(60.0, ge=0)
+    command_max_ttl_s: float = Field(3600.0, gt=0)
+    # the applied-command journal (one file per GPU; "~" expands); null keeps it in memory only
+    journal_dir: str | None = "~/.kvguard/journal"
+
+
+class ExportSettings(_Section):
+    # kvguard export: who pages for an alert (the forwarder to Alertmanager, or the PrometheusRule)
+    paging: Literal["forwarder", "prometheus"] = "forwarder"
+    max_nodes: int = Field(5000, gt=0)  # per-node state held; records of further nodes are refused, counted
+    ttl_s: float = Field(300.0, gt=0)  # a node silent this long (wall time) is dropped, counted
+    model_label: str = ""  # the `model` label when ticks carry none
 
 
 class Settings(BaseModel):
@@ -222,6 +277,7 @@ class Settings(BaseModel):
     policy: PolicySettings = Field(default_factory=PolicySettings)
     budget: BudgetSettings = Field(default_factory=BudgetSettings)
     node: NodeSettings = Field(default_factory=NodeSettings)
+    export: ExportSettings = Field(default_factory=ExportSettings)
 
     @classmethod
     def load(

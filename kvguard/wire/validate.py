@@ -24,7 +24,7 @@ import numpy as np
 
 from kvguard.contracts.events import EventKind, RegionState
 
-_INT63 = 1 << 62  # geometry integers and epochs beyond this are not a GPU's
+_BOUND_2_62 = 1 << 62  # geometry integers and epochs beyond this are not a GPU's
 
 
 class InvalidRecord(ValueError):
@@ -39,73 +39,80 @@ class InvalidRecord(ValueError):
 class WireLimits:
     """Caps on what one record may ask a consumer to hold (``streams.max_*`` settings)."""
 
-    max_dynamic_units: int = 1 << 26  # D of one GPU; the mirror keeps ~17 bytes per unit
+    max_dynamic_units: int = 1 << 24  # D of one GPU; the mirror keeps ~17 bytes per unit
     max_batch_events: int = 1 << 20  # rows of one event batch
     max_state_refs: int = 1 << 22  # request references in one PoolState dump
 
     @classmethod
-    def from_settings(cls, streams: Any) -> "WireLimits":
+    def from_settings(cls, streams: Any) -> WireLimits:
         """From ``settings.streams`` (read by attribute; defaults where a field is absent)."""
         return cls(**{name: getattr(streams, name) for name in cls.__slots__ if hasattr(streams, name)})
 
 
 DEFAULT_LIMITS = WireLimits()
 
-_KNOWN_KIND = np.zeros(256, dtype=bool)
-_KNOWN_KIND[[int(k) for k in EventKind]] = True
-# kinds whose offset/size is a run of KV units inside D (the table in kvguard.contracts.events)
-_RUN_KIND = np.zeros(256, dtype=bool)
-_RUN_KIND[[int(k) for k in (EventKind.ALLOC, EventKind.SHARE, EventKind.FREE, EventKind.RECLAIM,
-                            EventKind.EVICT, EventKind.SWAP_OUT, EventKind.SWAP_IN, EventKind.REMAP,
-                            EventKind.EXPIRE, EventKind.MIGRATE, EventKind.WS_ALLOC,
-                            EventKind.WS_FREE)]] = True
-_MIGRATE = int(EventKind.MIGRATE)
+# per kind: 0 unknown, 1 known, 2 a run of KV units inside D (the table in kvguard.contracts.events),
+# 3 a run with a second one at ``aux`` (MIGRATE's target)
+_KIND_CLASS = np.zeros(256, dtype=np.int8)
+_KIND_CLASS[[int(k) for k in EventKind]] = 1
+_KIND_CLASS[[int(k) for k in (EventKind.ALLOC, EventKind.SHARE, EventKind.FREE, EventKind.RECLAIM,
+                              EventKind.EVICT, EventKind.SWAP_OUT, EventKind.SWAP_IN, EventKind.REMAP,
+                              EventKind.EXPIRE, EventKind.WS_ALLOC, EventKind.WS_FREE)]] = 2
+_KIND_CLASS[int(EventKind.MIGRATE)] = 3
 _N_STATES = len(RegionState)
 
 
 def check_events(cols: Mapping[str, np.ndarray], dynamic_units: int | None,
                  limits: WireLimits = DEFAULT_LIMITS) -> None:
-    """Event rows (columns of ``EVENT_DTYPE`` or a structured array): known kinds, no negative
-    size, and every KV run (``offset``, ``size`` > 0) inside ``[0, dynamic_units)`` — or inside
-    the region cap when the region is not known yet. MIGRATE's target (``aux``) as well."""
-    kind = np.asarray(cols["kind"])
+    """Event rows (columns of ``EVENT_DTYPE`` or a structured array): known kinds, event times in
+    0..2^62 ns (a boundary past int64 would wedge the node's tick clock), no negative size, and
+    every KV run (``offset``, ``size`` > 0) inside ``[0, dynamic_units)``, or inside the region
+    cap while the region is not known; MIGRATE's target (``aux``) as well. A handful of whole-array
+    reductions on the way through (the stream core calls this per batch); rows are searched only
+    to name the first bad one."""
+    kind = cols["kind"]
     n = len(kind)
     if n > limits.max_batch_events:
         raise InvalidRecord(f"cols: {n} events in one batch, at most {limits.max_batch_events} "
                             "(streams.max_batch_events)")
     if n == 0:
         return
-    known = _KNOWN_KIND[kind.astype(np.intp)]
-    if not known.all():
-        row = int(np.flatnonzero(~known)[0])
+    klass = _KIND_CLASS[kind]
+    if not klass.all():
+        row = int(np.flatnonzero(klass == 0)[0])
         raise InvalidRecord(f"cols.kind[{row}]: unknown event kind {int(kind[row])} "
                             f"(known: {min(EventKind).value}..{max(EventKind).value})")
-    size = np.asarray(cols["size"])
-    if int(size.min()) < 0:
+    ts = cols["ts_ns"]
+    if ts.min() < 0 or ts.max() > _BOUND_2_62:
+        row = int(np.flatnonzero((ts < 0) | (ts > _BOUND_2_62))[0])
+        raise InvalidRecord(f"cols.ts_ns[{row}]: {int(ts[row])}, expected event time in 0..2^62 ns")
+    size = cols["size"]
+    if size.min() < 0:
         row = int(np.flatnonzero(size < 0)[0])
         raise InvalidRecord(f"cols.size[{row}]: {int(size[row])}, expected >= 0")
-    runs = np.flatnonzero(_RUN_KIND[kind.astype(np.intp)])
-    if runs.size == 0:
+    top = klass.max()
+    if top < 2:
         return
     region = limits.max_dynamic_units if dynamic_units is None else int(dynamic_units)
-    offset = np.asarray(cols["offset"])[runs]
-    run_size = size[runs]
-    _check_runs("cols", runs, offset, run_size, region, dynamic_units is None)
-    migrate = runs[kind[runs] == _MIGRATE]
-    if migrate.size:
-        _check_runs("cols.aux (MIGRATE target)", migrate, np.asarray(cols["aux"])[migrate], size[migrate],
-                    region, dynamic_units is None)
+    runs = klass >= 2
+    _check_runs("cols", runs, cols["offset"], size, region, dynamic_units is None)
+    if top == 3:
+        _check_runs("cols.aux (MIGRATE target)", klass == 3, cols["aux"], size, region, dynamic_units is None)
 
 
 def _check_runs(what: str, rows: np.ndarray, offset: np.ndarray, size: np.ndarray, region: int,
                 capped: bool) -> None:
-    # offset <= region - size avoids the int64 overflow of offset + size
-    bad = (offset < 0) | (size <= 0) | (offset > region - size)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        where = f"the region cap of {region} units (streams.max_dynamic_units)" if capped else f"D = {region} units"
-        raise InvalidRecord(f"{what} row {int(rows[i])}: run at offset {int(offset[i])} of size {int(size[i])} "
-                            f"is not inside {where} (expected offset >= 0, size > 0, offset + size <= D)")
+    """Runs ``offset[rows]``, ``size[rows]`` inside [0, region); ``rows`` a mask or indices."""
+    o, s = offset[rows], size[rows]
+    # offset and size each within the region first: their sum then cannot overflow int64
+    if o.min() >= 0 and s.min() > 0 and o.max() <= region and s.max() <= region and (o + s).max() <= region:
+        return
+    index = np.flatnonzero(rows) if rows.dtype == bool else np.asarray(rows)
+    bad = (o < 0) | (s <= 0) | (o > region - s)
+    i = int(np.flatnonzero(bad)[0])
+    where = f"the region cap of {region} units (streams.max_dynamic_units)" if capped else f"D = {region} units"
+    raise InvalidRecord(f"{what} row {int(index[i])}: run at offset {int(o[i])} of size {int(s[i])} "
+                        f"is not inside {where} (expected offset >= 0, size > 0, offset + size <= D)")
 
 
 def check_geometry(geometry: Any, limits: WireLimits = DEFAULT_LIMITS) -> None:
@@ -115,10 +122,10 @@ def check_geometry(geometry: Any, limits: WireLimits = DEFAULT_LIMITS) -> None:
     if not 0 < d <= limits.max_dynamic_units:
         raise InvalidRecord(f"geometry.dynamic_units: {d}, expected 1..{limits.max_dynamic_units} "
                             "(streams.max_dynamic_units)")
-    if not 0 < int(geometry.total_bytes) <= _INT63:
+    if not 0 < int(geometry.total_bytes) <= _BOUND_2_62:
         raise InvalidRecord(f"geometry.total_bytes: {int(geometry.total_bytes)}, expected 1..2^62")
     for name in ("weights_bytes", "context_bytes", "unit_tokens", "kv_bytes_per_token"):
-        if int(getattr(geometry, name)) > _INT63:
+        if int(getattr(geometry, name)) > _BOUND_2_62:
             raise InvalidRecord(f"geometry.{name}: {int(getattr(geometry, name))}, expected at most 2^62")
     classes = tuple(int(c) for c in geometry.page_classes)
     if len(classes) > 64 or any(not 0 < c <= d for c in classes):
@@ -135,7 +142,7 @@ def check_state(state: Any, dynamic_units: int | None, limits: WireLimits = DEFA
     if offset.size > region:
         raise InvalidRecord(f"state: {offset.size} runs in a region of {region} units")
     if offset.size:
-        _check_runs("state", np.arange(offset.size), offset, size, region, dynamic_units is None)
+        _check_runs("state", np.ones(offset.size, dtype=bool), offset, size, region, dynamic_units is None)
         if int(run_state.min()) < 0 or int(run_state.max()) >= _N_STATES:
             raise InvalidRecord(f"state.state: values 0..{_N_STATES - 1} expected, got "
                                 f"{int(run_state.min())}..{int(run_state.max())}")
@@ -148,7 +155,7 @@ def check_batch_fields(*, epoch: int, seq: int, cols: Mapping[str, np.ndarray], 
                        limits: WireLimits = DEFAULT_LIMITS, dynamic_units: int | None = None) -> None:
     """Everything about one event batch that needs no node state. ``dynamic_units``: the node's
     region when the caller knows it (the batch's own geometry wins)."""
-    if int(epoch) > _INT63 or int(seq) > _INT63:
+    if int(epoch) > _BOUND_2_62 or int(seq) > _BOUND_2_62:
         raise InvalidRecord(f"epoch/seq: {int(epoch)}/{int(seq)}, expected at most 2^62")
     if geometry is not None:
         check_geometry(geometry, limits)

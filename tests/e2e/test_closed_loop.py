@@ -71,7 +71,7 @@ def test_policy_over_kafka_executes_commands_and_prevents_ooms(kafka_settings, r
 
     settings = kafka_settings.model_copy(update={
         # TTLs are event time: at SPEED x a wall-clock hop of 1 s is SPEED simulated seconds
-        "policy": kafka_settings.policy.model_copy(update={"hmac_secret": "e2e-shared-secret",
+        "policy": kafka_settings.policy.model_copy(update={"hmac_secret": "e2e-shared-secret-of-at-least-32-bytes",
                                                            "command_ttl_s": 2.0 * SPEED}),
         # a consumer that waits for more data before answering a fetch adds that wait to every hop
         "kafka": kafka_settings.kafka.model_copy(update={**fast_group_options(),

@@ -325,9 +325,9 @@ def test_kvguards_executor_preempts_through_the_plugin_on_a_signed_command():
 
 
 def test_vllms_plugin_loader_finds_the_entry_point_and_it_attaches_kvguard(tmp_path, monkeypatch):
-    """vLLM's loader reads ``importlib.metadata.entry_points(group="vllm.general_plugins")``. Until
-    the kvguard distribution declares the entry point (pyproject), a temporary dist-info on
-    ``sys.path`` declares it: that is what ``pip install -e '.[vllm]'`` writes."""
+    """vLLM's loader reads ``importlib.metadata.entry_points(group="vllm.general_plugins")``: the
+    installed kvguard distribution declares the entry point (pyproject.toml), as
+    ``pip install -e '.[vllm]'`` (or ``make venv``) installs it."""
     import importlib.metadata
 
     from vllm.plugins import load_plugins_by_group
@@ -336,14 +336,8 @@ def test_vllms_plugin_loader_finds_the_entry_point_and_it_attaches_kvguard(tmp_p
     from kvguard.producers import vllm_plugin
 
     declared = [ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == "kvguard"]
-    if not declared:
-        dist = tmp_path / "kvguard_entry_point-0.0.dist-info"
-        dist.mkdir()
-        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvguard-entry-point\nVersion: 0.0\n")
-        (dist / "entry_points.txt").write_text(
-            f"[{ENTRY_POINT_GROUP}]\nkvguard = kvguard.producers.vllm_plugin:register\n")
-        monkeypatch.syspath_prepend(str(tmp_path))
-        importlib.invalidate_caches()
+    assert [ep.value for ep in declared] == ["kvguard.producers.vllm_plugin:register"]
+    assert declared[0].dist is not None and declared[0].dist.name == "kvguard"
     plugins = load_plugins_by_group(ENTRY_POINT_GROUP)
     assert plugins.get("kvguard") is vllm_plugin.register
 

@@ -89,7 +89,7 @@ event_rows = st.lists(
 def test_any_event_rows_round_trip_bit_for_bit(rows):
     events = np.array(rows, dtype=EVENT_DTYPE) if rows else np.zeros(0, dtype=EVENT_DTYPE)
     batch = EventBatch(node="n", seq=1, events=events)
-    assert np.array_equal(decode_batch(encode_batch(batch)).events, events)
+    assert np.array_equal(decode_batch(encode_batch(batch), check=False).events, events)  # the codec alone
 
 
 def test_newer_minor_version_with_unknown_fields_is_accepted():
@@ -161,7 +161,7 @@ def test_command_wire_form_matches_the_policy_dict_so_signatures_survive():
     policy_dict = {
         "schema": "1.0", "id": "c1", "node": "n", "action": "evict", "targets": [[3, 0], [4, 16]],
         "granularity": "block", "handling": "swap", "reason": "tick", "mode": "default", "variant": "v",
-        "issued_at_ns": 1, "ttl_ns": 2, "units_needed": 3, "max_moves": 0, "signature": "ab",
+        "issued_at_ns": 1, "ttl_ns": 2, "units_needed": 3, "max_moves": 0, "epoch": 7, "signature": "ab",
     }
     model = decode("commands", orjson.dumps(policy_dict))
     assert orjson.loads(encode(model)) == policy_dict
