@@ -21,8 +21,13 @@ def metrics(
     model: Path = typer.Option(None, "--model", help="LSTM model for tier 3 (`kvguard train`); off by default"),
     config: Path = typer.Option(None, "--config", help="TOML/JSON settings file (thresholds, alpha, beta, …)"),
 ) -> None:
-    """Per tick and node: U_kv, F_ext, F_int, Ψ, slope and the rest of docs/ARCHITECTURE.md "Metrics"; with --alerts the
-    tier 1–2 (and, with --model, tier 3) alerts. Deterministic: the same log gives the same lines."""
+    """Replay an event log through the stream core: one line per tick and node (and per alert).
+
+    Per tick and node: U_kv, F_ext, F_int, Ψ, slope, the allocator family and the rest of
+    docs/ARCHITECTURE.md "Metrics"; with --alerts the tier 1–2 (and, with --model, tier 3) alerts.
+    Each node's last, partial tick is included (marked partial). Deterministic: the same log gives
+    the same lines.
+    """
     from kvguard.cli.simulate import parse_duration
     from kvguard.streams.alerts import alert_record
     from kvguard.streams.core import StreamConfig, StreamConfigError

@@ -21,8 +21,11 @@ def rca_command(
     report: Path = typer.Option(None, "--report", help="Directory for rca.md and one PNG per OOM."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
-    """Replay an event log through the stream core and explain each OOM: metrics before it, alert lead
-    times, fragmentation or capacity, and the requests admitted in the minute before."""
+    """Explain each OOM of a recorded event log.
+
+    For each OOM: the metrics before it, each alert tier's lead time, fragmentation or capacity,
+    and the requests admitted in the minute before.
+    """
     from rich.console import Console
 
     from kvguard.cli.simulate import parse_duration

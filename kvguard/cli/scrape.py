@@ -27,9 +27,10 @@ def scrape(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line: type tick|alert|scrape_error."),
     config: Path = typer.Option(None, "--config", help="Settings file (thresholds, slope window)."),
 ) -> None:
-    """Scrape vLLM's /metrics every --interval and turn each engine's figures into a tick with the threshold and
-    slope tiers on U_kv (vllm:kv_cache_usage_perc), plus preemptions, running/waiting requests, prefix-cache hit rate,
-    token throughput and TTFT p50/p99 over the interval.
+    """Scrape vLLM's /metrics into ticks with the threshold and slope tiers on U_kv.
+
+    Every --interval: U_kv (vllm:kv_cache_usage_perc), preemptions, running/waiting requests,
+    prefix-cache hit rate, token throughput and TTFT p50/p99 over the interval.
 
     What is missing without the plugin: no allocator state (the alloc_* figures, OOMs), no F_ext and no F_int (vLLM
     exports no free-block layout or token fill), hence no Ψ and no fragmentation rule; no request ids (no victims, so

@@ -25,8 +25,11 @@ def worker(
     datadir: Path = typer.Option(None, "--datadir", help="Faust data directory (default: a temp dir)"),
     loglevel: str = typer.Option("warning", "--loglevel", help="debug, info, warning, error"),
 ) -> None:
-    """Start a Faust worker of the stream processors. Several workers with the same --app-id split
-    the partitions of kvguard.events; per-node state survives restarts through the changelog."""
+    """Start a Faust worker of the stream processors.
+
+    Several workers with the same --app-id split the partitions of kvguard.events; per-node state
+    survives restarts through the changelog.
+    """
     import asyncio
 
     from kvguard.wire.settings import ConfigError, Settings
