@@ -35,9 +35,11 @@ log = logging.getLogger(__name__)
 
 
 def run_event_log(path, config: StreamConfig | None = None, predictor: Predictor | None = None, *,
-                  chunk_batches: int = 64, flush_ns: int | None = None) -> Iterator[tuple[list[Tick], list[Alert]]]:
+                  chunk_batches: int = 64, flush_ns: int | None = None,
+                  finish: bool = False) -> Iterator[tuple[list[Tick], list[Alert]]]:
     """Replay an event log through a fresh core, yielding (ticks, alerts) per chunk of batches.
-    ``flush_ns``: finally emit every node's ticks up to that event time."""
+    ``flush_ns``: finally emit every node's ticks up to that event time; ``finish``: finally emit
+    each node's last, partial tick (``StreamCore.finish``)."""
     core = StreamCore(config, predictor)
     _, batches = read_event_log(path)
     chunk = []
@@ -50,6 +52,8 @@ def run_event_log(path, config: StreamConfig | None = None, predictor: Predictor
         yield core.process_many(chunk)
     if flush_ns is not None:
         yield core.flush(flush_ns)
+    if finish:
+        yield core.finish()
 
 
 @dataclass(slots=True)

@@ -31,6 +31,7 @@ def metrics(
     from kvguard.cli.simulate import parse_duration
     from kvguard.streams.alerts import alert_record
     from kvguard.streams.core import StreamConfig, StreamConfigError
+    from kvguard.streams.embedded import run_event_log
     from kvguard.streams.metrics import tick_record
     from kvguard.wire.eventlog import EventLogError
     from kvguard.wire.settings import ConfigError, Settings
@@ -62,7 +63,7 @@ def metrics(
     n_ticks = n_alerts = 0
     out = sys.stdout
     try:
-        for ticks, raised in _replay(events, stream_config, predictor):
+        for ticks, raised in run_event_log(events, stream_config, predictor, finish=True):
             for t in ticks:
                 n_ticks += 1
                 record = tick_record(t)
@@ -93,20 +94,3 @@ def _alert_line(r: dict) -> str:
     return (f"{r['ts_s']:>10.1f}s {r['node']:<16} ALERT {r['name']} {r['status']} "
             f"[{r['severity']}, {r['tier']}] value {r['value']:.4f}\n")
 
-
-def _replay(path, config, predictor):
-    """The log through a fresh core, chunk by chunk, then each node's last partial tick."""
-    from kvguard.streams.core import StreamCore
-    from kvguard.wire.eventlog import read_event_log
-
-    core = StreamCore(config, predictor)
-    _, batches = read_event_log(path)
-    chunk = []
-    for batch in batches:
-        chunk.append(batch)
-        if len(chunk) >= 64:
-            yield core.process_many(chunk)
-            chunk = []
-    if chunk:
-        yield core.process_many(chunk)
-    yield core.finish()
