@@ -83,9 +83,47 @@ class RunSummary:
     downtime_s: float
     sim_seconds: float
     events: int
+    # every request counted (issue 12): met = completed with TTFT <= slo.ttft_s and mean TPOT <= slo.tpot_s;
+    # failed, rejected and unfinished requests are misses, also in ttft_p99_all_s (None: the p99 is a miss)
+    slo_met: int = 0
+    slo_attainment: float | None = None
+    slo_goodput_tokens_per_s: float = 0.0
+    ttft_p99_all_s: float | None = None
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass(slots=True, frozen=True)
+class SloTargets:
+    """A request meets its SLO when it completes with TTFT <= ``ttft_s`` and mean TPOT <= ``tpot_s``
+    (DistServe's per-request attainment; 2 s / 100 ms are interactive-chat targets)."""
+
+    ttft_s: float = 2.0
+    tpot_s: float = 0.1
+
+
+DEFAULT_SLO = SloTargets()
+
+
+def slo_fields(served, requests: int, sim_s: float, slo: SloTargets = DEFAULT_SLO) -> dict:
+    """The SLO fields of ``RunSummary`` from ``served`` = (ttft_ns, mean tpot_ns, output tokens) of each
+    completed request, out of ``requests`` arrivals (the rest are misses)."""
+    met = tokens = 0
+    ttft_cap, tpot_cap = slo.ttft_s * NS_PER_S, slo.tpot_s * NS_PER_S
+    ttfts = []
+    for ttft, tpot, generated in served:
+        ttfts.append(ttft)
+        if ttft <= ttft_cap and tpot <= tpot_cap:
+            met += 1
+            tokens += generated
+    p99_all = None
+    if requests:
+        k = int(np.ceil(0.99 * requests)) - 1  # the nearest-rank p99 of all requests, misses sorted last
+        if k < len(ttfts):
+            p99_all = round(float(np.partition(np.asarray(ttfts, dtype=np.float64), k)[k]) / NS_PER_S, 6)
+    return {"slo_met": met, "slo_attainment": round(met / requests, 6) if requests else None,
+            "slo_goodput_tokens_per_s": round(tokens / sim_s, 3) if sim_s > 0 else 0.0, "ttft_p99_all_s": p99_all}
 
 
 @dataclass(slots=True, frozen=True)
@@ -168,6 +206,7 @@ class Engine:
         self.steps = 0
         self._ttft_ns: list[int] = []
         self._tpot_ns: list[float] = []
+        self.served: list[tuple[int, float, int]] = []  # (ttft_ns, mean tpot_ns, output tokens) per completion
         self.oom_log: list[dict] = []
 
     # ------------------------------------------------------------------ events
@@ -401,8 +440,10 @@ class Engine:
             self.completed += 1
             self._outstanding -= s.prompt + s.req.max_output_tokens
             self.goodput_tokens += s.generated
+            tpot = (now - s.first_token_ns) / (s.generated - 1) if s.generated > 1 else 0.0
             if s.generated > 1:
-                self._tpot_ns.append((now - s.first_token_ns) / (s.generated - 1))
+                self._tpot_ns.append(tpot)
+            self.served.append((s.first_token_ns - s.arrival_ns, tpot, s.generated))
             self._emit(now, EventKind.FINISH, s.rid, flags=int(Outcome.COMPLETED), tokens=s.generated)
             del self._seqs[s.rid]
         self._running = [s for s in self._running if s.state is SeqState.RUNNING]
@@ -683,5 +724,5 @@ class Engine:
             tpot_p50_s=pct(self._tpot_ns, 50), tpot_p99_s=pct(self._tpot_ns, 99),
             goodput_tokens_per_s=round(self.goodput_tokens / sim_s, 3) if sim_s > 0 else 0.0,
             downtime_s=round(self.downtime_ns / NS_PER_S, 3), sim_seconds=round(sim_s, 3),
-            events=self.events_recorded,
+            events=self.events_recorded, **slo_fields(self.served, self.requests, sim_s),
         )

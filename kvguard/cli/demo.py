@@ -53,6 +53,13 @@ DEMO_RATE_SCALE = 2.0
 DEMO_DURATION_S = 1800.0
 QUICK_RATE_SCALE = 2.25
 QUICK_DURATION_S = 900.0
+# On vLLM-engine profiles the demo serves as an operator who raised --gpu-memory-utilization to 0.95
+# for KV room, with 5 % of requests asking for prompt logprobs (eval traffic): the condition under
+# which vLLM's profiled peak undercounts memory and real servers crash (vllm#5907, #5067, #38830).
+DEMO_GPU_MEMORY_UTILIZATION = 0.95
+DEMO_PROMPT_LOGPROBS_FRAC = 0.05
+ARM_FIELDS = ("requests", "completed", "ooms", "preemptions", "failed", "rejected", "unfinished", "slo_attainment",
+              "slo_goodput_tokens_per_s", "goodput_tokens_per_s", "ttft_p99_s", "ttft_p99_all_s")
 
 
 class LiveView:
@@ -114,6 +121,18 @@ def _print_comparison(result: dict, console) -> None:
     from rich.table import Table
 
     b, g = result["baseline"], result["guarded"]
+    arms = result.get("arms")
+    if arms and len(arms) > 2:
+        t = Table(title="kvguard demo: arms on the same workload, seed and fleet (every request counted)")
+        t.add_column("metric")
+        for name in arms:
+            t.add_column(name, justify="right")
+        for key in ARM_FIELDS:
+            t.add_row(key, *(str(arm.get(key)) for arm in arms.values()))
+        console.print(t)
+        for name, arm in arms.items():
+            console.print(f"  [dim]{name}: {arm['config']}[/dim]")
+        return
     t = Table(title="kvguard demo: baseline vs closed loop (same workload, same seed)")
     t.add_column("metric")
     t.add_column("baseline", justify="right")
@@ -141,6 +160,15 @@ def demo(
                                                               f"{DEMO_RATE_SCALE:g}, --quick {QUICK_RATE_SCALE:g})."),
     duration: str = typer.Option("", "--duration", help="Simulated duration (e.g. 30m); overrides --quick."),
     profile: str = typer.Option(None, "--profile", help="Model/GPU profile (default: the profiles file's)."),
+    gpu_memory_utilization: float = typer.Option(
+        DEMO_GPU_MEMORY_UTILIZATION, "--gpu-memory-utilization",
+        help="vLLM profiles: the operator's setting that the baseline and kvguard run with."),
+    prompt_logprobs_frac: float = typer.Option(
+        DEMO_PROMPT_LOGPROBS_FRAC, "--prompt-logprobs-frac",
+        help="vLLM profiles: share of requests asking for prompt logprobs (eval traffic)."),
+    arms: bool = typer.Option(True, "--arms/--no-arms", help="vLLM profiles: also run vllm_default (vLLM's defaults) "
+                                                             "and tuned_static (the best static knobs of the "
+                                                             "training sweep, bench/sweep_static.py)."),
     seed: int = typer.Option(0, "--seed"),
     report: Path = typer.Option(Path("kvguard-report"), "--report", help="Directory for the report and plots "
                                                                          "(its path is printed on stderr)."),
@@ -167,6 +195,9 @@ def demo(
 
     # the runtime loads the whole system: imported when the command runs, so `kvguard --help` stays fast
     from kvguard.cli.simulate import parse_duration
+    from kvguard.ops.static_sweep import tuned_knobs
+    from kvguard.producers.profiles import EngineKnobs, load_profile
+    from kvguard.producers.vllm_engine import VllmEngineConfig
     from kvguard.runtime.bootstrap import bootstrap, make_ledger, make_slo_ledger
     from kvguard.runtime.embedded import compare, demo_workload, ledger_summary
     from kvguard.runtime.overbus import run_over_bus
@@ -181,7 +212,11 @@ def demo(
         rate_scale = QUICK_RATE_SCALE if quick else DEMO_RATE_SCALE
     try:
         settings = Settings.load(config)
-        graph = bootstrap(settings, profile=profile, predictor=None if no_lstm else "shipped")
+        vllm = load_profile(profile).engine == "vllm"
+        knobs = EngineKnobs(gpu_memory_utilization=gpu_memory_utilization) if vllm else None
+        node_config = VllmEngineConfig(prompt_logprobs_frac=prompt_logprobs_frac) if vllm else None
+        graph = bootstrap(settings, profile=profile, knobs=knobs, node_config=node_config,
+                          predictor=None if no_lstm else "shipped")
     except (ConfigError, ValueError) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
@@ -210,6 +245,12 @@ def demo(
                 raise typer.Exit(1) from None
         else:
             guarded = _run(graph, wl, gpus, duration_s, seed, True, live, console, host)
+        static_arms = {}
+        if vllm and arms:
+            for name, arm_knobs in (("vllm_default", None), ("tuned_static", tuned_knobs())):
+                arm_graph = graph.with_node(load_profile(profile, knobs=arm_knobs), node_config)
+                static_arms[name] = (_run(arm_graph, wl, gpus, duration_s, seed, False, live, console, host,
+                                          label=name), arm_graph.profile.name)
         ledgers, lost = ledger_summary(graph.ledger, graph.slo_ledger, redis)
     finally:
         graph.ledger.close()
@@ -218,6 +259,12 @@ def demo(
     result["workload"] = {"name": workload, "rate_scale": rate_scale, "duration_s": duration_s, "seed": seed,
                           "requests": len(wl.requests), "notes": wl.notes}
     result["profile"] = graph.profile.name
+    described = {"vllm_default": "vLLM's defaults", "tuned_static": "the best static knobs of the sweep on the "
+                 "training workloads", "baseline": "the operator's knobs, no kvguard",
+                 "kvguard": "the operator's knobs, kvguard's closed loop"}
+    runs = {**static_arms, "baseline": (baseline, graph.profile.name), "kvguard": (guarded, graph.profile.name)}
+    result["arms"] = {name: arm_summary(run.summary, prof, described[name]) for name, (run, prof) in runs.items()}
+    result["prompt_logprobs_frac"] = prompt_logprobs_frac if vllm else None
     result["mode"] = "kafka" if bus else "embedded"
     result["run_id"] = run_id
     result["nodes"] = [f"{host}/gpu{i}" for i in range(gpus)]
@@ -247,12 +294,17 @@ def demo(
 LOUD_LOGGERS = ("kvguard.budget", "policy.delivery", "policy.ledger", "kvguard.actuators.actuator")
 
 
-def _run(graph, wl, gpus, duration_s, seed, guarded, live, console, host="sim-0"):
+def arm_summary(summary: dict, profile_name: str, config: str) -> dict:
+    """One arm's outcomes (``ARM_FIELDS``), the profile (with its knobs) it ran and what it stands for."""
+    return {**{k: summary.get(k) for k in ARM_FIELDS}, "profile": profile_name, "config": f"{config} ({profile_name})"}
+
+
+def _run(graph, wl, gpus, duration_s, seed, guarded, live, console, host="sim-0", label=None):
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvguard.runtime.embedded import run_embedded  # see demo(): loaded on use
 
-    label = "kvguard closed loop" if guarded else "baseline engine"
+    label = label or ("kvguard closed loop" if guarded else "baseline engine")
     nodes = [f"{host}/gpu{i}" for i in range(gpus)]
     with LiveView(live, nodes, label) as view:
         if live:

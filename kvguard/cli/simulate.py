@@ -59,20 +59,27 @@ class EventLogFailed(OSError):
 
 def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = None, rate_scale: float = 1.0,
                    profile_name: str | None = None, seed: int = 0, events_out: Path | None = None,
-                   drain: bool = True, flush_s: float = 10.0, progress=None) -> dict:
-    """The command's core, callable from Python: returns the JSON summary as a dict."""
+                   drain: bool = True, flush_s: float = 10.0, progress=None, knobs=None,
+                   prompt_logprobs_frac: float = 0.0) -> dict:
+    """The command's core, callable from Python: returns the JSON summary as a dict. ``knobs``: an
+    ``EngineKnobs`` over the (vLLM) profile; ``prompt_logprobs_frac``: the share of requests asking
+    for prompt logprobs (``echo`` + ``logprobs``, as lm-eval-harness's loglikelihood tasks do)."""
     from kvguard.contracts.units import NS_PER_S
     from kvguard.producers.fleet import Fleet
-    from kvguard.producers.profiles import load_profile
+    from kvguard.producers.profiles import ProfileError, load_profile
     from kvguard.producers.workloads import load_workload
 
-    profile = load_profile(profile_name)
+    from kvguard.producers.vllm_engine import VllmEngineConfig
+
+    profile = load_profile(profile_name, knobs=knobs)
+    if prompt_logprobs_frac and profile.engine != "vllm":
+        raise ProfileError(profile.name, "engine", "'vllm' for --prompt-logprobs-frac (the seed engine has no sampler)")
     # the seed engine caps prompts that could never fit one GPU's KV region (said in the notes); the
     # vLLM engine takes them as they are and rejects those over max_model_len, as vLLM does
-    max_prompt = None if profile.engine == "vllm" else min(profile.max_model_len - 1024,
-                                                           int(profile.capacity_tokens * 0.6))
-    wl = load_workload(workload, rate_scale=rate_scale, window=duration_s, seed=seed, max_prompt_tokens=max_prompt)
-    fleet = Fleet(gpus, profile, seed=seed)
+    wl = load_workload(workload, rate_scale=rate_scale, window=duration_s, seed=seed,
+                       max_prompt_tokens=simulate_prompt_cap(profile))
+    config = VllmEngineConfig(prompt_logprobs_frac=prompt_logprobs_frac) if profile.engine == "vllm" else None
+    fleet = Fleet(gpus, profile, seed=seed, config=config)
     fleet.submit_workload(wl)
     last_arrival_ns = wl.requests[-1].arrival_ns if wl.requests else 0
     end_ns = int(duration_s * NS_PER_S) if duration_s is not None else last_arrival_ns + int(flush_s * NS_PER_S)
@@ -88,26 +95,23 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
             writer = EventLogWriter(events_out, meta).__enter__()
         except OSError as e:
             write_error = e
+    state = {"writer": writer, "error": write_error}
+
+    def write(batches) -> None:
+        if state["writer"] is None:
+            return
+        try:
+            for b in batches:
+                state["writer"].write(b)
+        except OSError as e:  # the disk filled up or went away: finish the run, then say so
+            state["error"], state["writer"] = e, _close_quietly(state["writer"])
+
     wall0 = time.perf_counter()
-    t = 0
     try:
-        while True:
-            t += step_ns
-            fleet.advance(t)
-            batches = fleet.take_batches(t)
-            if writer is not None:
-                try:
-                    for b in batches:
-                        writer.write(b)
-                except OSError as e:  # the disk filled up or went away: finish the run, then say so
-                    write_error, writer = e, _close_quietly(writer)
-            if progress is not None:
-                progress(min(t, end_ns) / NS_PER_S, end_ns / NS_PER_S)
-            if t >= end_ns:
-                idle = fleet.pending == 0 and all(_idle(e) for e in fleet.engines)
-                if not drain or idle or t >= drain_cap_ns:
-                    break
+        fleet.run(end_ns, step_ns=step_ns, drain=drain, drain_cap_ns=drain_cap_ns, on_batches=write,
+                  progress=progress)
     finally:
+        writer, write_error = state["writer"], state["error"]
         if writer is not None:
             try:
                 writer.__exit__(None, None, None)
@@ -118,7 +122,10 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
     out["wall_seconds"] = round(wall, 3)
     out["sim_speed_x"] = round(out["sim_seconds"] * gpus / wall, 1) if wall > 0 else None
     out.update({"gpus": gpus, "profile": profile.name, "workload": wl.describe(), "rate_scale": rate_scale,
-                "seed": seed, "events_out": str(events_out) if events_out else None})
+                "seed": seed, "events_out": str(events_out) if events_out else None,
+                "knobs": knobs.to_dict() if knobs is not None else {}, "prompt_logprobs_frac": prompt_logprobs_frac})
+    if profile.memory is not None:
+        out["kv_blocks"] = profile.memory.num_gpu_blocks
     per_gpu = fleet.per_gpu()
     for d, e in zip(per_gpu, fleet.engines):
         d["oom_fragmentation"] = sum(o["fragmentation"] for o in e.oom_log)
@@ -134,9 +141,13 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
     return out
 
 
-def _idle(engine) -> bool:
-    q = engine.queue_lengths()
-    return not (q["running"] or q["waiting"] or q["swapped"])
+def simulate_prompt_cap(profile) -> int | None:
+    """The longest prompt a run feeds the engine: the seed engine caps prompts that could never fit one
+    GPU's KV region (said in the workload notes); the vLLM engine takes them as they are and rejects
+    those over ``max_model_len``, as vLLM does (None)."""
+    if profile.engine == "vllm":
+        return None
+    return min(profile.max_model_len - 1024, int(profile.capacity_tokens * 0.6))
 
 
 def _close_quietly(writer) -> None:
@@ -215,6 +226,16 @@ def simulate(
     seed: int = typer.Option(0, "--seed", help="Seed for synthetic arrivals and scenarios."),
     events_out: Path = typer.Option(None, "--events-out", help="Write the event log (gzip JSON lines) here."),
     drain: bool = typer.Option(True, "--drain/--no-drain", help="After the window, run until in-flight work ends."),
+    gpu_memory_utilization: float = typer.Option(
+        None, "--gpu-memory-utilization", help="vLLM profiles: vLLM's --gpu-memory-utilization (default: the "
+                                               "profile's, 0.9); the KV cache is re-sized by the profiling run."),
+    max_num_batched_tokens: int = typer.Option(
+        None, "--max-num-batched-tokens", min=1, help="vLLM profiles: the per-step token budget."),
+    alloc_conf: str = typer.Option(
+        None, "--alloc-conf", help="vLLM profiles: PYTORCH_CUDA_ALLOC_CONF, e.g. expandable_segments:True."),
+    prompt_logprobs_frac: float = typer.Option(
+        0.0, "--prompt-logprobs-frac", help="vLLM profiles: share of requests asking for prompt logprobs "
+                                            "(echo + logprobs, as eval harnesses send; vllm#5907)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Run the shadow engine over a workload and report OOMs, preemptions, latency and goodput."""
@@ -224,7 +245,14 @@ def simulate(
     from kvguard.producers.profiles import ProfileError
     from kvguard.producers.workloads import WorkloadError
 
+    from kvguard.producers.profiles import EngineKnobs
+
     check_rate_scale(rate_scale)
+    if not 0.0 <= prompt_logprobs_frac <= 1.0:
+        raise typer.BadParameter(f"expected a share in [0, 1], got {prompt_logprobs_frac}",
+                                 param_hint="--prompt-logprobs-frac")
+    knobs = EngineKnobs(gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
+                        allocator_conf=alloc_conf)
     duration_s = parse_duration(duration) if duration else None
     err = Console(stderr=True)
     bar = Progress(TextColumn("simulating"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} sim s"),
@@ -238,7 +266,7 @@ def simulate(
         with bar:
             out = run_simulation(workload, gpus=gpus, duration_s=duration_s, rate_scale=rate_scale,
                                  profile_name=profile, seed=seed, events_out=events_out, drain=drain,
-                                 progress=progress)
+                                 progress=progress, knobs=knobs, prompt_logprobs_frac=prompt_logprobs_frac)
     except (WorkloadError, ProfileError) as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None

@@ -72,13 +72,15 @@ def _outcomes(path: Path, result: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    b, g = result["baseline"], result["guarded"]
-    keys = (("ooms", "OOM crashes"), ("preemptions", "preemptions"),
-            ("goodput_tokens_per_s", "goodput (tok/s)"), ("ttft_p99_s", "TTFT p99 (s)"))
-    fig, axes = plt.subplots(1, len(keys), figsize=(13, 3.2))
+    arms = result.get("arms") or {"baseline": result["baseline"], "kvguard": result["guarded"]}
+    keys = (("ooms", "OOM crashes"), ("preemptions", "preemptions"), ("slo_attainment", "SLO attainment"),
+            ("goodput_tokens_per_s", "goodput (tok/s)"), ("ttft_p99_s", "TTFT p99, served (s)"))
+    palette = {"vllm_default": "#8c8c8c", "tuned_static": "#55a868", "baseline": "#c44e52", "kvguard": "#4c72b0"}
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.0 * len(keys), 3.4))
     for ax, (key, label) in zip(axes, keys):
-        values = [b.get(key) or 0, g.get(key) or 0]
-        bars = ax.bar(["baseline", "kvguard"], values, color=["#c44e52", "#4c72b0"])
+        values = [arm.get(key) or 0 for arm in arms.values()]
+        bars = ax.bar(list(arms), values, color=[palette.get(n, "#999999") for n in arms])
+        ax.tick_params(axis="x", labelrotation=30, labelsize=7)
         ax.bar_label(bars, labels=[f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}" for v in bars.datavalues], fontsize=8)
         ax.set_title(label)
     fig.tight_layout()
@@ -100,6 +102,13 @@ def _markdown(result: dict) -> str:
         "|---|---:|---:|",
     ]
     lines += [f"| {k} | {b.get(k)} | {g.get(k)} |" for k in TABLE_KEYS]
+    arms = result.get("arms")
+    if arms:
+        names = list(arms)
+        lines += ["", "## Arms (same workload, seed and fleet; every request counted)", "",
+                  "| metric | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        lines += [f"| {k} | " + " | ".join(str(arms[n].get(k)) for n in names) + " |" for k in ARM_KEYS]
+        lines += [f"- `{n}`: {arms[n].get('config')}" for n in names]
     lines += [
         "",
         f"- OOM reduction: {_pct(result.get('oom_reduction'))}",
@@ -128,6 +137,10 @@ def _markdown(result: dict) -> str:
         lines.append("")
     lines += ["![timeline](timeline.png)", "", "![outcomes](outcomes.png)", ""]
     return "\n".join(lines)
+
+
+ARM_KEYS = ("ooms", "preemptions", "failed", "rejected", "slo_attainment", "slo_goodput_tokens_per_s",
+            "goodput_tokens_per_s", "ttft_p99_s", "ttft_p99_all_s")
 
 
 def _pct(x: float | None) -> str:

@@ -68,6 +68,7 @@ class Graph:
     predictor: Any = None
     predictor_note: str = ""
     notes: list[str] = field(default_factory=list)
+    node_config: Any = None  # the engines' own config (VllmEngineConfig / EngineConfig); None: defaults
 
     # -- stream side ----------------------------------------------------------------------------
 
@@ -113,7 +114,14 @@ class Graph:
     # -- node side ------------------------------------------------------------------------------
 
     def fleet(self, n_gpus: int, *, seed: int = 0, host: str = "sim-0", snapshot_every_s: float = 60.0):
-        return Fleet(n_gpus, self.profile, seed=seed, host=host, snapshot_every_s=snapshot_every_s)
+        return Fleet(n_gpus, self.profile, seed=seed, host=host, snapshot_every_s=snapshot_every_s,
+                     config=self.node_config)
+
+    def with_node(self, profile: Any, node_config: Any = None) -> "Graph":
+        """The same graph over another node-side configuration (a demo arm): the profile (with its
+        engine knobs) and the engines' config; the policy's numbers follow the profile."""
+        return replace(self, profile=profile, node_config=node_config,
+                       engine_config=engine_config_from(self.settings, profile, {}), notes=list(self.notes))
 
     def actuators(self, engines: list[Any], *, journal_dir: str | Path | None = None,
                   epoch: int | None = None) -> dict[str, Any]:
@@ -135,7 +143,7 @@ class Graph:
 
 
 def bootstrap(settings: Any = None, *, bus: Any = None, ledger: Any = None, slo_ledger: Any = None,
-              profile: str | None = None,
+              profile: str | None = None, knobs: Any = None, node_config: Any = None,
               predictor: Any = "shipped", strategy_overrides: Mapping[str, Mapping[str, Any]] | None = None,
               require_secret: bool = False, insecure_dev: bool = False) -> Graph:
     """Build the graph. ``predictor``: ``"shipped"`` (load the shipped LSTM if present), ``None``
@@ -143,11 +151,11 @@ def bootstrap(settings: Any = None, *, bus: Any = None, ledger: Any = None, slo_
     policy and actuators must share ``policy.hmac_secret`` (an embedded run makes one up), and a
     weak one is refused unless ``insecure_dev``."""
     settings = settings if settings is not None else Settings.load()
-    prof = _profile(profile)
+    prof = load_profile(profile, knobs=knobs)
     secret, generated = _secret(settings, require_secret, insecure_dev)
     engine_config = engine_config_from(settings, prof, strategy_overrides or {})
     graph = Graph(settings=settings, profile=prof, secret=secret, secret_generated=generated,
-                  engine_config=engine_config, bus=bus, ledger=ledger, slo_ledger=slo_ledger)
+                  engine_config=engine_config, bus=bus, ledger=ledger, slo_ledger=slo_ledger, node_config=node_config)
     graph.predictor, graph.predictor_note = _predictor(settings, predictor)
     return graph
 
@@ -208,10 +216,6 @@ def make_bus(settings: Any, bus_url: str | None):
 
     kafka = settings.kafka.model_copy(update={"bootstrap": bus_url[len("kafka://"):]})
     return KafkaBus(kafka)
-
-
-def _profile(name: str | None):
-    return load_profile(name)
 
 
 def secret_problem(text: str) -> str | None:

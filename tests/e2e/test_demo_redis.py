@@ -13,6 +13,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# the ledgers burn on KV-arena fragmentation (F_ext), which the seed engine has and uniform vLLM blocks do not
+SEED_PROFILE = "llama3-8b-24gb"
+
+
 def kvguard(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_")}
     return subprocess.run([sys.executable, "-c", "from kvguard.cli import main; main()", *args],
@@ -30,7 +34,7 @@ def test_demo_records_the_run_in_the_redis_ledgers(redis_url, tmp_path):
     before = slo_report(redis_url)
     runs = []
     for _ in range(2):  # a second run must not merge with the first (same seed, same simulated times)
-        out = kvguard("demo", "--quick", "--gpus", "2", "--redis", redis_url, "--json", "--no-report")
+        out = kvguard("demo", "--profile", SEED_PROFILE, "--quick", "--gpus", "2", "--redis", redis_url, "--json", "--no-report")
         assert out.returncode == 0, out.stderr.decode()[-3000:]
         runs.append(json.loads(out.stdout))
     first, second = runs
@@ -67,7 +71,7 @@ def test_demo_says_when_redis_is_unreachable(redis_server):
     server = redis_server()
     url = server.url
     server.stop()
-    out = kvguard("demo", "--duration", "2m", "--gpus", "1", "--no-lstm", "--redis", url, "--json",
+    out = kvguard("demo", "--profile", SEED_PROFILE, "--duration", "2m", "--gpus", "1", "--no-lstm", "--redis", url, "--json",
                   "--no-report", timeout=200)
     err = out.stderr.decode()
     assert out.returncode == 3, err[-3000:]
@@ -83,7 +87,7 @@ def test_demo_over_kafka_records_in_redis_and_deletes_its_topics(kafka_bootstrap
 
     from aiokafka.admin import AIOKafkaAdminClient
 
-    out = kvguard("demo", "--duration", "3m", "--gpus", "2", "--no-lstm", "--bus", f"kafka://{kafka_bootstrap}",
+    out = kvguard("demo", "--profile", SEED_PROFILE, "--duration", "3m", "--gpus", "2", "--no-lstm", "--bus", f"kafka://{kafka_bootstrap}",
                   "--redis", redis_url, "--speed", "20", "--json", "--no-report", timeout=300)
     assert out.returncode == 0, out.stderr.decode()[-3000:]
     result = json.loads(out.stdout)

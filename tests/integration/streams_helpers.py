@@ -16,6 +16,10 @@ from kvguard.contracts.units import NS_PER_S
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# the seed engine (an alternative profile since issue 11): these logs exercise its arena OOMs, snapshots
+# and fragmentation; the vLLM engine's own events are tested in tests/unit/test_simulate_vllm.py
+SEED_PROFILE = "llama3-8b-24gb"
+
 def shadow_log(n_gpus: int = 3, seconds: int = 150, step_s: int = 2, seed: int = 5,
                rate_scale: float = 3.0) -> list[EventBatch]:
     """A busy shadow-engine log: batches per node every ``step_s``, snapshots every 30 s."""
@@ -23,7 +27,7 @@ def shadow_log(n_gpus: int = 3, seconds: int = 150, step_s: int = 2, seed: int =
     from kvguard.producers.profiles import load_profile
     from kvguard.producers.workloads import load_workload
 
-    fleet = Fleet(n_gpus, load_profile(), seed=seed, snapshot_every_s=30)
+    fleet = Fleet(n_gpus, load_profile(SEED_PROFILE), seed=seed, snapshot_every_s=30)
     fleet.submit_workload(load_workload("mixed", rate_scale=rate_scale, window=seconds, seed=seed))
     batches: list[EventBatch] = []
     for t in range(step_s, seconds + step_s, step_s):

@@ -535,7 +535,7 @@ def test_budget_status_agrees_with_the_ticks_of_a_simulated_fleet(redis_url):
     from kvguard.streams.core import StreamCore
 
     # one GPU under the drill: its 32K-token prompts fragment the pool within minutes
-    fleet = Fleet(1, load_profile(), seed=1)
+    fleet = Fleet(1, load_profile("llama3-8b-24gb"), seed=1)  # the seed engine: its arena fragments
     fleet.submit_workload(load_workload("drill", seed=1, window=600))
     core = StreamCore()
     prefix = f"test{uuid.uuid4().hex[:8]}"

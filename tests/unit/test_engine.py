@@ -10,7 +10,8 @@ from kvguard.producers.workloads import Request, load_workload
 from kvguard.wire.eventlog import write_event_log
 
 SUMMARY_FIELDS = ["requests", "completed", "failed", "rejected", "unfinished", "ooms", "preemptions", "ttft_p50_s", "ttft_p99_s",
-                  "tpot_p50_s", "tpot_p99_s", "goodput_tokens_per_s", "downtime_s", "sim_seconds", "events"]
+                  "tpot_p50_s", "tpot_p99_s", "goodput_tokens_per_s", "downtime_s", "sim_seconds", "events",
+                  "slo_met", "slo_attainment", "slo_goodput_tokens_per_s", "ttft_p99_all_s"]
 
 
 def tiny_profile(dynamic_units=2000, *, page_class_tokens=(4, 64), activation_bytes_per_token=1024,
@@ -54,6 +55,8 @@ def test_light_load_completes_everything_with_latency_figures():
     assert (s.requests, s.completed, s.failed, s.rejected, s.unfinished) == (20, 20, 0, 0, 0)
     assert (s.ooms, s.preemptions) == (0, 0)
     assert 0 < s.ttft_p50_s <= s.ttft_p99_s and 0 < s.tpot_p50_s <= s.tpot_p99_s
+    assert s.ttft_p99_all_s == pytest.approx(s.ttft_p99_s, rel=0.2)  # nothing missed: all requests were served
+    assert s.slo_met == len(e.served) == 20 and s.slo_attainment == 1.0  # light load meets 2 s / 100 ms
     assert s.goodput_tokens_per_s > 0 and s.events == len(ev)
     finishes = ev[ev["kind"] == EventKind.FINISH]
     assert len(finishes) == 20 and np.all(finishes["flags"] == Outcome.COMPLETED)
@@ -273,7 +276,8 @@ def test_prompt_that_can_never_fit_is_rejected_not_crashed():
 def test_shipped_profiles_match_their_documented_sources():
     from kvguard.producers.profiles import default_profile_name, load_profile, profile_names
 
-    assert default_profile_name() == "llama3-8b-24gb"
+    assert default_profile_name() == "llama3-8b-24gb-vllm"  # the vLLM-faithful engine (issue 11)
+    assert load_profile().engine == "vllm" and load_profile().unit_tokens == 16
     assert {"llama3-8b-24gb", "llama3-8b-24gb-p16", "llama3-70b-tp8-80gb"} <= set(profile_names())
     p8 = load_profile("llama3-8b-24gb")
     assert p8.geometry.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2 == 131072

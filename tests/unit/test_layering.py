@@ -35,12 +35,12 @@ OLD_TOP_LEVEL = ("producers", "streams", "policy", "actuators", "tests.rigs")
 # What a tool wing (offline ML, operator tools) may use of another wing: its public modules.
 # Everything else in a wing is internal to it.
 PUBLIC = {
-    "kvguard.producers": {"engine", "fleet", "profiles", "workloads", "publisher"},
+    "kvguard.producers": {"engine", "fleet", "profiles", "workloads", "publisher", "vllm_engine"},
     "kvguard.streams": {"alerts", "core", "embedded", "lstm", "metrics", "mirror", "outputs", "predictor"},
     "kvguard.policy": {"engine", "service", "strategy", "budget", "slo"},
     "kvguard.actuators": {"actuator", "executor"},
     "kvguard.ml": {"dataset", "evaluation", "training"},
-    "kvguard.ops": {"exporter", "rca", "demo_report", "export_service"},
+    "kvguard.ops": {"exporter", "rca", "demo_report", "export_service", "static_sweep", "timeline_report"},
 }
 
 

@@ -170,7 +170,7 @@ def test_mirror_equals_the_shadow_engine_pool_after_every_batch_and_at_ticks():
     from kvguard.streams.core import StreamCore
 
     ns = 1_000_000_000
-    profile = load_profile()
+    profile = load_profile("llama3-8b-24gb")  # the seed engine: its PagedPool is what the mirror is compared with
     fleet = Fleet(2, profile, seed=3, snapshot_every_s=30)
     fleet.submit_workload(load_workload("mixed", rate_scale=4.0, window=240, seed=3))
     core = StreamCore()

@@ -23,7 +23,7 @@ def _record(path: Path, *, rate_scale: float, duration_s: float, seed: int = 0) 
     from kvguard.producers.profiles import load_profile
     from kvguard.producers.workloads import load_workload
 
-    profile = load_profile(None)
+    profile = load_profile("llama3-8b-24gb")  # the seed profile: its arena OOMs are what the RCA tests read
     max_prompt = min(profile.max_model_len - 1024, int(profile.capacity_tokens * 0.6))
     wl = load_workload("mixed", rate_scale=rate_scale, window=duration_s, seed=seed, max_prompt_tokens=max_prompt)
     fleet = Fleet(1, profile, seed=seed)
