@@ -35,6 +35,16 @@ nodes without batches for ``streams.node_idle_timeout_s`` of wall time; an evict
 checkpoint is deleted from the table (a tombstone on the changelog), so its next batch starts it
 over.
 
+Idle nodes. A tick is emitted when the node's next batch crosses its boundary, so the last
+interval of a node that stops sending (a dying GPU, its OOM in that interval) would wait for a
+batch that never comes. A Faust timer (``StreamsWorker.flush_idle``) publishes that pending tick,
+marked ``partial`` (``StreamCore.finish``), for each node without batches for
+``streams.idle_flush_s`` of wall time (default: two ticks), once the worker has handled every
+record its events partition holds (so consumer lag is not taken for silence). The flush is final
+for that boundary: a later batch of the node starts the next interval, and the node's checkpoint
+is written so a restored worker agrees. The timer also runs the idle-eviction sweep, which a
+worker without records would otherwise never reach.
+
 Ordering: outputs are sent as they are made; before a checkpoint is written every output sent so
 far is awaited (a checkpoint never gets ahead of the ticks its batches produced), and Faust flushes
 the producer before it commits offsets. Records are handled in chunks of up to ``max_records``.
@@ -147,6 +157,9 @@ class WorkerCounters:
     errors: int = 0  # records whose handling raised (dead-lettered)
     nodes_evicted: int = 0  # by the core's cap or the idle timeout (checkpoint deleted)
     dlq_failed: int = 0
+    idle_flushes: int = 0  # partial ticks published for nodes idle past streams.idle_flush_s
+    flushes_deferred: int = 0  # idle nodes not flushed yet: their partition held records not yet handled
+    flush_errors: int = 0  # idle-flush rounds that raised (logged; the timer goes on)
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -161,7 +174,10 @@ class StreamsWorker:
 
     def __init__(self, settings, config: StreamConfig, predictor: Predictor | None, *, table, metrics_topic,
                  alerts_topic, dlq_topic, checkpoint_every_ticks: int = 6, app_id: str = DEFAULT_APP_ID,
-                 fetch_back=None):
+                 fetch_back=None, highwater=None, clock=time.monotonic):
+        """``highwater(partition)``: the events partition's high watermark as last fetched (None
+        when unknown); the idle flush waits for the worker to reach it. ``clock``: wall seconds
+        (monotonic) for the idle timeouts."""
         if checkpoint_every_ticks <= 0:
             raise ValueError(f"checkpoint_every_ticks must be > 0, got {checkpoint_every_ticks}")
         self.settings = settings
@@ -181,18 +197,29 @@ class StreamsWorker:
         self.in_flight: list = []
         self.counters = WorkerCounters()
         self.idle_timeout_s = float(getattr(settings.streams, "node_idle_timeout_s", 3600.0))
-        self.seen_at: dict[str, float] = {}  # node -> monotonic time of its last batch
-        self._next_sweep = time.monotonic() + _SWEEP_S
+        self.seen_at: dict[str, float] = {}  # node -> monotonic time of its last batch, oldest first
+        self.clock = clock
+        self._next_sweep = clock() + _SWEEP_S
+        self.idle_flush_s = idle_flush_s(settings, config)
+        self.highwater = highwater
+        self.handled_offset: dict[int, int] = {}  # events partition -> offset of the last record handled
+        # the agent and the flush timer share the core: one holds it across its awaits at a time
+        self._busy = asyncio.Lock()
 
     async def handle(self, events) -> None:
         """Process a chunk of consumed events: apply every batch, send the outputs, and write the
         checkpoints that fell due once every output sent so far is on the broker."""
+        async with self._busy:
+            await self._handle(events)
+
+    async def _handle(self, events) -> None:
         ticks, alerts = [], []
         due: dict[str, int] = {}  # node -> partition, checkpoints to write after this chunk
         for event in events:
             message = event.message
             value = event.value
             self.counters.records += 1
+            self.handled_offset[message.partition] = message.offset
             headers = _header_pairs(message.headers)
             try:
                 batch = decode_batch(value, headers, limits=self.core.config.limits)
@@ -211,19 +238,66 @@ class StreamsWorker:
                           message.partition, message.offset, type(err).__name__, err, exc_info=err)
                 await self.dead_letter(message, value, headers, "processing_error", f"{type(err).__name__}: {err}")
             await self._drop_evicted(due)
-        if time.monotonic() >= self._next_sweep:
-            await self.evict_idle(time.monotonic(), due)
+        if self.clock() >= self._next_sweep:
+            await self.evict_idle(self.clock(), due)
+        await self._send(ticks, alerts, due)
+
+    async def _send(self, ticks, alerts, due: dict[str, int]) -> None:
         await self.publish(ticks, alerts)
         if due:  # a checkpoint must never get ahead of the outputs its batches produced
             await self.wait_outputs()
+            # a partition revoked during the wait took its nodes away: their next owner has the table
+            due = {node: p for node, p in due.items() if node in self.core.nodes and node in self.last_offset}
             await asyncio.gather(*(self.checkpoint(node, partition) for node, partition in due.items()))
             await self.seal(set(due.values()))
+
+    async def flush_idle(self, now_s: float) -> list[str]:
+        """Publish the pending partial tick of each node without batches for ``idle_flush_s`` at
+        monotonic ``now_s`` (and checkpoint it), then run the idle-eviction sweep when due.
+        Returns the nodes flushed. Called by the app's timer."""
+        async with self._busy:
+            ticks, alerts = finish_nodes(self.core, self._idle_pending(now_s))
+            due = {t.node: self.partition_of[t.node] for t in ticks if t.node in self.partition_of}
+            self.counters.idle_flushes += len(ticks)
+            if now_s >= self._next_sweep:
+                await self.evict_idle(now_s, due)
+            await self._send(ticks, alerts, due)
+        if ticks:
+            log.info("idle flush: partial ticks of %d node(s) without batches for %g s", len(ticks), self.idle_flush_s)
+        return [t.node for t in ticks]
+
+    def _idle_pending(self, now_s: float) -> list[str]:
+        """Nodes idle for ``idle_flush_s`` with events since their last tick, whose partition the
+        worker has handled up to its high watermark."""
+        nodes = []
+        for node, seen in self.seen_at.items():  # oldest first
+            if now_s - seen < self.idle_flush_s:
+                break
+            st = self.core.nodes.get(node)
+            if st is None or st.events_since_tick == 0:
+                continue
+            if not self._caught_up(self.partition_of.get(node)):
+                self.counters.flushes_deferred += 1
+                continue
+            nodes.append(node)
+        return nodes
+
+    def _caught_up(self, partition: int | None) -> bool:
+        """No record of ``partition`` is waiting to be handled (as far as the consumer knows)."""
+        if partition is None or self.highwater is None:
+            return True
+        try:
+            end = self.highwater(partition)
+        except Exception as err:  # noqa: BLE001 - no fetch state (not assigned yet): nothing known to wait for
+            log.debug("no high watermark for partition %d: %s", partition, err)
+            return True
+        return end is None or self.handled_offset.get(partition, -1) + 1 >= end
 
     async def _handle_batch(self, batch, message, value, headers, ticks, alerts, due) -> None:
         node = batch.node
         self.partition_of[node] = message.partition
         self.seen_at.pop(node, None)
-        self.seen_at[node] = time.monotonic()
+        self.seen_at[node] = self.clock()
         st = self.core.nodes.get(node)
         if st is None:
             st = self.restore(node)
@@ -398,6 +472,32 @@ class StreamsWorker:
 _SWEEP_S = 30.0  # how often the worker looks for idle nodes (wall seconds)
 
 
+def idle_flush_s(settings, config: StreamConfig) -> float:
+    """Wall seconds without batches after which a node's pending tick is flushed:
+    ``streams.idle_flush_s``, else two ticks."""
+    value = getattr(settings.streams, "idle_flush_s", None)
+    if value is None:
+        return 2 * config.tick_s
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"streams.idle_flush_s: must be a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def finish_nodes(core: StreamCore, nodes: list[str]) -> tuple[list, list]:
+    """``core.finish()`` for ``nodes`` only: their pending ticks, marked partial; others untouched.
+
+    ``StreamCore.finish`` covers every node it holds and reads them from ``core.nodes`` alone, so
+    it runs over a map of just these nodes; the full map (its recency order too) is put back."""
+    if not nodes:
+        return [], []
+    held = core.nodes
+    core.nodes = {node: held[node] for node in nodes if node in held}
+    try:
+        return core.finish()
+    finally:
+        core.nodes = held
+
+
 class FetchBack:
     """Reads a range of one events partition with a short-lived, group-less aiokafka consumer.
 
@@ -496,7 +596,10 @@ def build_app(settings, *, predictor: Predictor | None = None, app_id: str = DEF
     """A configured Faust app and its ``StreamsWorker``. Connects to nothing until started.
     The agent handles up to ``max_records`` records at a time, waiting at most ``max_wait_s``
     (default ``streams.chunk_max_records`` / ``streams.chunk_max_wait_s``); outputs go out with
-    the producer linger of ``kafka.linger_ms``."""
+    the producer linger of ``kafka.linger_ms``. A timer flushes idle nodes (``StreamsWorker.flush_idle``)."""
+    # faust only when the worker builds its app (see _app_class)
+    from faust.types import TP
+
     kafka = settings.kafka
     max_records = settings.streams.chunk_max_records if max_records is None else max_records
     max_wait_s = settings.streams.chunk_max_wait_s if max_wait_s is None else max_wait_s
@@ -527,16 +630,28 @@ def build_app(settings, *, predictor: Predictor | None = None, app_id: str = DEF
     alerts = app.topic(settings.topics.name("alerts"), **raw)
     dlq = app.topic(settings.topics.name("dlq"), **raw)
     table = app.Table(TABLE_NAME, default=None, partitions=events_partitions, key_type=bytes, value_type=bytes)
+    events_name = events.get_topic_name()
     worker = StreamsWorker(settings, config or StreamConfig.from_settings(settings.streams, settings.predictor),
                            predictor, table=table, metrics_topic=metrics, alerts_topic=alerts, dlq_topic=dlq,
-                           checkpoint_every_ticks=checkpoint_every_ticks, app_id=app_id)
+                           checkpoint_every_ticks=checkpoint_every_ticks, app_id=app_id,
+                           highwater=lambda partition: app.consumer.highwater(TP(events_name, partition)))
 
     @app.agent(events, name="kvguard-streams-events")
     async def process_events(stream):
         async for chunk in stream.take_events(max_records, within=max_wait_s):
             await worker.handle(chunk)
 
-    events_name = events.get_topic_name()
+    # a quarter of the idle interval: a node is flushed within 1.25 idle intervals of its last batch
+    flush_every_s = max(0.05, worker.idle_flush_s / 4)
+
+    @app.timer(flush_every_s, name="kvguard-streams-idle-flush")
+    async def flush_idle_nodes() -> None:
+        try:
+            await worker.flush_idle(worker.clock())
+        except Exception as err:  # noqa: BLE001 - a failed round (broker away) must not stop the timer or the worker
+            worker.counters.flush_errors += 1
+            log.error("idle flush raised %s: %s; next round in %g s", type(err).__name__, err, flush_every_s,
+                      exc_info=err)
 
     @app.on_partitions_revoked.connect
     async def on_revoked(sender, revoked, **kwargs) -> None:

@@ -1,11 +1,16 @@
-"""kvguard settings: one pydantic model, loaded from an optional TOML/JSON file plus ``KVGUARD_*`` env.
+"""kvguard settings: pydantic sections, loaded from an optional TOML/JSON file plus ``KVGUARD_*`` env.
 
-Precedence (last wins): defaults < file < environment. The file is the ``path`` argument, else
-the file named by ``KVGUARD_CONFIG``. Environment variables name a field by its path with ``__``
-between levels: ``KVGUARD_KAFKA__LINGER_MS=5``, ``KVGUARD_TOPICS__EVENTS__PARTITIONS=12``.
-Values that look like JSON lists/objects (``[...]``, ``{...}``) are parsed as JSON; everything
-else is a string that pydantic converts (``"true"``, ``"5"``, ``"0.5"``). ``KVGUARD_*`` names
-without ``__`` (like ``KVGUARD_CONFIG``) are not settings and are ignored here.
+Precedence (last wins): defaults < file < environment < overrides. The file is the ``path``
+argument, else the file named by ``KVGUARD_CONFIG``. Environment variables name a field by its
+path with ``__`` between levels, pydantic-settings' nested delimiter: ``KVGUARD_KAFKA__LINGER_MS=5``,
+``KVGUARD_TOPICS__EVENTS__PARTITIONS=12``. A value for a list, dict or section field is parsed as
+JSON (``KVGUARD_KAFKA__PRODUCER_OPTIONS='{"metadata_max_age_ms": 1000}'``); any other value is a
+string that pydantic converts (``"true"``, ``"5"``, ``"0.5"``). ``KVGUARD_*`` names without ``__``
+(like ``KVGUARD_CONFIG``) are not settings and are ignored here.
+
+``Settings(...)`` is its arguments over the defaults and nothing ambient, so code and tests that
+build settings by hand do not change with the shell they run in; ``Settings.load`` adds the file
+and the environment (pydantic-settings' TOML, JSON and env sources).
 
 Every section forbids unknown keys, so a typo in a file or an env name is an error, not a silent
 default. Bad config raises ``ConfigError`` whose message names the field path and the source,
@@ -25,6 +30,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    JsonConfigSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    TomlConfigSettingsSource,
+)
 
 ENV_PREFIX = "KVGUARD_"
 ENV_CONFIG_FILE = "KVGUARD_CONFIG"
@@ -199,8 +212,13 @@ class StreamsSettings(_Section):
     max_dynamic_units: int = Field(1 << 24, gt=0)
     max_state_refs: int = Field(1 << 22, gt=0)
     max_epoch_jump: int = Field(1 << 61, gt=0)
+    # a node's event time jumping further past its clock is dead-lettered until a later batch confirms it
+    max_ts_skew_s: float = Field(3600.0, gt=0)
     max_nodes: int = Field(10_000, gt=0)
     node_idle_timeout_s: float = Field(3600.0, gt=0)
+    # the Faust worker publishes the pending (partial) tick of a node without batches for this
+    # long in wall time, so a dying node's last interval is not lost; null: two ticks (2 * tick_s)
+    idle_flush_s: float | None = Field(None, gt=0)
 
 
 class PredictorSettings(_Section):
@@ -266,8 +284,9 @@ class ExportSettings(_Section):
     model_label: str = ""  # the `model` label when ticks carry none
 
 
-class Settings(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(extra="forbid", validate_assignment=True, env_prefix=ENV_PREFIX,
+                                      env_nested_delimiter="__", case_sensitive=False)
 
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     topics: TopicsSettings = Field(default_factory=TopicsSettings)
@@ -278,6 +297,13 @@ class Settings(BaseModel):
     budget: BudgetSettings = Field(default_factory=BudgetSettings)
     node: NodeSettings = Field(default_factory=NodeSettings)
     export: ExportSettings = Field(default_factory=ExportSettings)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        """Only the arguments: the file and the environment come in through ``load``, which knows
+        where each value came from and says so in errors."""
+        return (init_settings,)
 
     @classmethod
     def load(
@@ -296,12 +322,13 @@ class Settings(BaseModel):
         sources: dict[tuple[str, ...], str] = {}
         file_path = path if path is not None else env.get(ENV_CONFIG_FILE) or None
         if file_path is not None:
-            file_data = _read_file(Path(file_path))
-            _merge(data, file_data, sources, f"file {file_path}", ())
-        env_data = _env_tree(env, sources)
-        _merge(data, env_data, {}, "", ())
+            file_data = _file_values(cls, Path(file_path))
+            _merge(data, file_data)
+            sources.update(_leaf_sources(file_data, f"file {file_path}"))
+        _merge(data, _env_values(cls, env, sources))
         if overrides:
-            _merge(data, dict(overrides), sources, "overrides", ())
+            _merge(data, overrides)
+            sources.update(_leaf_sources(overrides, "overrides"))
         return cls.from_dict(data, sources=sources)
 
     @classmethod
@@ -314,66 +341,102 @@ class Settings(BaseModel):
             raise _config_error(exc, sources or {}) from None
 
 
-def _read_file(path: Path) -> dict[str, Any]:
+# a file's source by its suffix; any other suffix is read as TOML
+_FILE_SOURCES: dict[str, tuple[type, str]] = {".json": (JsonConfigSettingsSource, "JSON"),
+                                               ".toml": (TomlConfigSettingsSource, "TOML")}
+
+
+def _file_values(cls: type[Settings], path: Path) -> dict[str, Any]:
+    """The file's values. pydantic-settings skips a file that is not there; a config file that was
+    asked for must exist, so that is checked first."""
     try:
-        raw = path.read_bytes()
+        with path.open("rb"):
+            pass
     except OSError as exc:
         raise ConfigError("<file>", f"cannot read {path}: {exc.strerror}") from None
+    source, kind = _FILE_SOURCES.get(path.suffix.lower(), _FILE_SOURCES[".toml"])
     try:
-        if path.suffix.lower() == ".json":
-            data = json.loads(raw)
-        else:
-            data = tomllib.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError("<file>", f"{path} is not valid {path.suffix.lstrip('.') or 'TOML'}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError("<file>", f"{path} must hold a table/object at the top level")
-    return data
+        return source(cls, path)()
+    except OSError as exc:
+        raise ConfigError("<file>", f"cannot read {path}: {exc.strerror}") from None
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError("<file>", f"{path} is not valid {kind}: {exc}") from None
+    except (ValueError, TypeError):  # the source dict.update()s what it parsed: a JSON list, a number
+        raise ConfigError("<file>", f"{path} must hold a table/object at the top level") from None
 
 
-def _env_tree(env: Mapping[str, str], sources: dict[tuple[str, ...], str]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
+class _EnvSource(EnvSettingsSource):
+    """pydantic-settings' env source over a given mapping (``Settings.load(env=…)``), not only
+    ``os.environ``."""
+
+    def __init__(self, settings_cls: type[Settings], environ: Mapping[str, str]):
+        self.environ = environ  # read by _load_env_vars during super().__init__
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        # the hook every pydantic-settings env source reads its variables through (the dotenv one overrides it too)
+        return {name.lower(): value for name, value in self.environ.items()}
+
+
+def _env_values(cls: type[Settings], env: Mapping[str, str], sources: dict[tuple[str, ...], str]) -> dict[str, Any]:
+    """The values of the ``KVGUARD_<SECTION>__<FIELD>`` variables; each one's path goes into
+    ``sources``. Names are checked first: pydantic-settings would silently skip an unknown section."""
+    chosen: dict[str, str] = {}
+    paths: dict[tuple[str, ...], str] = {}
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue
         parts = tuple(p.lower() for p in name[len(ENV_PREFIX):].split("__"))
         if any(not p for p in parts):
             raise ConfigError(".".join(parts), "empty name part", f"env {name}")
-        node = tree
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(".".join(parts), "conflicts with another variable", f"env {name}")
-            node = child
-        text = value.strip()
-        if text[:1] in "[{":
-            try:
-                node[parts[-1]] = json.loads(text)
-            except ValueError as exc:
-                raise ConfigError(".".join(parts), f"not valid JSON: {exc}", f"env {name}") from None
-        else:
-            node[parts[-1]] = value
-        sources[parts] = f"env {name}"
-    return tree
+        if parts[0] not in cls.model_fields:
+            raise ConfigError(".".join(parts), "unknown setting", f"env {name}")
+        chosen[name] = value
+        paths[parts] = f"env {name}"
+    for parts, source in paths.items():
+        if any(parts[:n] in paths for n in range(1, len(parts))):
+            raise ConfigError(".".join(parts), "conflicts with another variable", source)
+    if not chosen:
+        return {}
+    sources.update(paths)
+    try:
+        return _EnvSource(cls, chosen)()
+    except SettingsError:
+        raise _env_json_error(cls, chosen) from None
 
 
-def _merge(
-    into: dict[str, Any],
-    new: Mapping[str, Any],
-    sources: dict[tuple[str, ...], str],
-    label: str,
-    prefix: tuple[str, ...],
-) -> None:
+def _env_json_error(cls: type[Settings], chosen: Mapping[str, str]) -> ConfigError:
+    """pydantic-settings names only the section whose value did not parse: find the variable."""
+    for name, value in chosen.items():
+        try:
+            _EnvSource(cls, {name: value})()
+        except SettingsError as exc:
+            field = ".".join(p.lower() for p in name[len(ENV_PREFIX):].split("__"))
+            return ConfigError(field, f"not valid JSON: {exc.__cause__ or exc}", f"env {name}")
+    return ConfigError("<env>", "a KVGUARD_* value is not valid JSON")
+
+
+def _merge(into: dict[str, Any], new: Mapping[str, Any]) -> None:
+    """Deep merge: a section given by two sources keeps the keys of both (the later one's win)."""
     for key, value in new.items():
-        path = prefix + (str(key),)
         if isinstance(value, Mapping):
             if not isinstance(into.get(key), dict):
                 into[key] = {}
-            _merge(into[key], value, sources, label, path)
+            _merge(into[key], value)
         else:
             into[key] = value
-        if label and not isinstance(value, Mapping):
-            sources[path] = label
+
+
+def _leaf_sources(data: Mapping[str, Any], label: str, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], str]:
+    """``{path: label}`` for every value of ``data`` that is not itself a section."""
+    out: dict[tuple[str, ...], str] = {}
+    for key, value in data.items():
+        path = prefix + (str(key),)
+        if isinstance(value, Mapping):
+            out.update(_leaf_sources(value, label, path))
+        else:
+            out[path] = label
+    return out
 
 
 _PROBLEMS = {
