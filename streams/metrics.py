@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvguard.contracts.tick import SINCE_OOM_CAP_S, Tick
+from kvguard.contracts.tick import Tick
 from kvguard.contracts.units import NS_PER_S
 
 WIRE_SCHEMA = "1.0"
@@ -60,29 +60,35 @@ FEATURE_NAMES: tuple[str, ...] = (
     "free_frac",
     "largest_free_run_frac",
     "log_n_free_runs",
-    "log_pages_per_request_p50",
-    "log_pages_per_request_p99",
+    "request_pages_p50_frac",
+    "request_pages_p99_frac",
     "log_requests_running",
     "log_arrivals",
     "log_alloc_fail_per_s",
     "log_evicted_pages",
     "log_preemptions",
-    "ooms",
-    "log_tokens_per_s",
-    "log_decode_tokens_per_s",
+    "token_turnover",
+    "decode_token_frac",
     "log_requests_waiting",
-    "since_oom_frac",
 )
 
 
 def tick_features(tick: Tick) -> np.ndarray:
     """The predictor's feature vector for one tick (float32, order of ``FEATURE_NAMES``).
 
-    Fractions stay in [0, 1]-ish; counts and rates go through log1p so no feature dwarfs the rest.
-    ``since_oom_frac`` is the time since the node's last OOM over ``SINCE_OOM_CAP_S`` (1 = calm for
-    at least that long, or no OOM seen).
+    Every size is relative to the GPU, so one model reads a 24 GB and an 80 GB GPU alike: memory
+    as fractions of D (``dynamic_units``), pages held per request over D, throughput as the
+    tick's processed tokens over processed plus stored tokens (``token_turnover``: how much of
+    what the KV cache holds this tick's work replaced) and its decode share. Counts go through
+    log1p so no feature dwarfs the rest.
+
+    Crash history is not an input: the OOM count and the time since the last OOM would teach a
+    model that a GPU which crashed is about to crash again (the labels, read back). It stays on
+    the tick (``ooms``, ``s_since_oom``) for the policy and the evaluation.
     """
     d = max(tick.dynamic_units, 1)
+    processed = max(tick.tokens_per_s, 0.0) * tick.tick_s
+    decoded = max(tick.decode_tokens_per_s, 0.0) * tick.tick_s
     return np.array(
         [
             tick.u_kv,
@@ -95,18 +101,16 @@ def tick_features(tick: Tick) -> np.ndarray:
             tick.free_units / d,
             tick.largest_free_run_units / d,
             np.log1p(tick.n_free_runs),
-            np.log1p(tick.pages_per_request_p50),
-            np.log1p(tick.pages_per_request_p99),
+            tick.pages_per_request_p50 / d,
+            tick.pages_per_request_p99 / d,
             np.log1p(tick.requests_running),
             np.log1p(tick.arrivals),
             np.log1p(tick.alloc_fail_per_s),
             np.log1p(tick.evicted_pages),
             np.log1p(tick.preemptions),
-            float(tick.ooms > 0),
-            np.log1p(tick.tokens_per_s),
-            np.log1p(tick.decode_tokens_per_s),
+            processed / (processed + max(tick.tokens_stored, 0)) if processed > 0 else 0.0,
+            decoded / processed if processed > 0 else 0.0,
             np.log1p(tick.requests_waiting),
-            min(max(tick.s_since_oom, 0.0), SINCE_OOM_CAP_S) / SINCE_OOM_CAP_S,
         ],
         dtype=np.float32,
     )

@@ -3,8 +3,15 @@ with all three alert tiers, and score the OOM predictor: AUC, recall at FPR <= 5
 times and false alarms (definitions: ``kvguard.ml.evaluation``).
 
 Several ``--workload``/``--rate-scale``/``--seed``/``--profile`` values run every combination and
-report one pooled result (per-run figures under ``runs``). ``--data`` scores a saved dataset's
-split offline instead (no simulation).
+report one pooled result (per-run figures under ``runs``); a run identical to an earlier one (a
+trace workload replays the same arrivals for every seed) is scored once and listed under
+``duplicates``. ``--data`` scores a saved dataset's split offline instead (no simulation).
+
+Besides the LSTM's figures the JSON holds ``bands`` (per lead band), ``auc_ci`` (event bootstrap),
+``events`` (OOMs after merging fleet cascades), ``false_alarms_per_gpu_hour`` and ``baselines``:
+the threshold and slope tiers, logistic regression and gradient boosting (fitted on the ``train``
+runs of ``--data`` or of ``--baseline-data``, threshold from their ``val`` runs) and the LSTM,
+each scored on the same ticks.
 """
 
 from __future__ import annotations
@@ -36,7 +43,14 @@ def eval_command(
     split: str = typer.Option("test", "--split", help="With --data: which split to score."),
     mode: str = typer.Option("window", "--mode", help="With --data: 'window' (the stream's 180-tick windows) "
                                                       "or 'stateful' (LSTMPredictor.step, one step per tick)."),
-    report: Path = typer.Option(None, "--report", help="Directory for roc.png, lead_times.png and eval.json."),
+    baseline_data: Path = typer.Option(None, "--baseline-data", help="Dataset whose train/val runs fit the "
+                                       "logistic and boosting baselines (default: --data's)."),
+    bootstrap: int = typer.Option(500, "--bootstrap", help="Event-bootstrap draws for the AUC intervals (0: none)."),
+    lowo: bool = typer.Option(False, "--lowo", help="With --data: also leave each workload out in turn, "
+                              "refit every model without it and score it on its runs."),
+    lowo_lstm_epochs: int = typer.Option(20, "--lowo-lstm-epochs", help="With --lowo: LSTM epochs per fold "
+                                                                          "(0: leave the LSTM out)."),
+    report: Path = typer.Option(None, "--report", help="Directory for roc.png, lead_times.png, bands.md, eval.json."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Evaluate OOM prediction (LSTM) and the threshold/slope tiers on workloads, baseline engine."""
@@ -44,7 +58,7 @@ def eval_command(
 
     from kvguard.cli.dataset import progress_bar
     from kvguard.cli.simulate import parse_duration
-    from kvguard.ml.dataset import DatasetError, RunSpec, simulate_run
+    from kvguard.ml.dataset import DatasetError, RunSpec, run_fingerprint, simulate_run
     from kvguard.ml.evaluation import NodeTrace, evaluate_traces, plot_lead_times, plot_roc
     from kvguard.streams.lstm import ModelError, load_model
     from kvguard.streams.metrics import FEATURE_NAMES
@@ -58,15 +72,18 @@ def eval_command(
         raise typer.Exit(2)
     meta = predictor.metadata
     traces: list[NodeTrace] = []
+    workload_of: list[str] = []  # per trace
     runs_out = []
+    duplicates = []
     if data is not None:
-        traces, runs_out, title = _offline(predictor, data, split, mode)
+        traces, workload_of, runs_out, title = _offline(predictor, data, split, mode)
     else:
         if not workload:
             typer.echo("error: give --workload (or --data)", err=True)
             raise typer.Exit(2)
         specs = [RunSpec(w, rate_scale=r, profile=p, seed=s, duration_s=duration_s, n_gpus=gpus, split="test")
                  for w, r, p, s in itertools.product(workload, rate_scale, profile, seed)]
+        seen: dict[str, str] = {}
         with progress_bar(console) as bar:
             task = bar.add_task("evaluating", total=len(specs), info="")
             for i, spec in enumerate(specs):
@@ -75,10 +92,16 @@ def eval_command(
                 except (DatasetError, ValueError, FileNotFoundError) as exc:
                     typer.echo(f"error: {spec.key()}: {exc}", err=True)
                     raise typer.Exit(2)
-                run_traces = [NodeTrace(node=f"{spec.key()}:{s.node}", ts_ns=s.ts_ns, p_oom=s.p_oom, firing=s.firing,
-                                        oom_ts_ns=s.oom_ts_ns, tick_s=meta.tick_s) for s in record.sequences]
+                fingerprint = run_fingerprint(record.sequences)
+                if fingerprint in seen:
+                    duplicates.append({"run": spec.key(), "same_as": seen[fingerprint]})
+                    bar.update(task, completed=i + 1, info=f"{spec.key()}: same as {seen[fingerprint]}")
+                    continue
+                seen[fingerprint] = spec.key()
+                run_traces = [_trace(spec.key(), s, meta) for s in record.sequences]
                 traces.extend(run_traces)
-                per_run = evaluate_traces(run_traces, horizon_s=meta.horizon_s).to_dict()
+                workload_of.extend([spec.workload] * len(run_traces))
+                per_run = evaluate_traces(run_traces, horizon_s=meta.horizon_s, bootstrap_draws=0).to_dict()
                 runs_out.append({"run": spec.key(), "in_training": _trained_on(meta, spec.workload),
                                  "engine": record.summary, "auc": per_run["auc"], "ooms": per_run["ooms"],
                                  "positive_ticks": per_run["positive_ticks"],
@@ -87,8 +110,21 @@ def eval_command(
                                  "false_alarms_per_hour": per_run["false_alarms_per_hour"]})
                 bar.update(task, completed=i + 1, info=f"{spec.key()}: {per_run['ooms']} OOMs")
         title = ", ".join(sorted(set(workload)))
-    result = evaluate_traces(traces, horizon_s=meta.horizon_s, threshold=meta.threshold)
+    result = evaluate_traces(traces, horizon_s=meta.horizon_s, threshold=meta.threshold, bootstrap_draws=bootstrap)
     out = result.to_dict()
+    try:
+        models = _fit_baselines(baseline_data or data)
+    except (DatasetError, ValueError) as exc:
+        typer.echo(f"error: baselines: {exc}", err=True)
+        raise typer.Exit(2)
+    baselines = _baselines(traces, meta, models, bootstrap)
+    by_workload = {w: _baselines([t for t, tw in zip(traces, workload_of) if tw == w], meta, models, bootstrap)
+                   for w in sorted(set(workload_of))} if len(set(workload_of)) > 1 else {}
+    if lowo:
+        if data is None:
+            typer.echo("error: --lowo needs --data", err=True)
+            raise typer.Exit(2)
+        out["leave_one_workload_out"] = _lowo(data, meta, lowo_lstm_epochs, bootstrap)
     lstm, thr = out["lead_time_median_s"]["lstm"], out["lead_time_median_s"]["threshold"]
     out.update({
         "lstm_lead_vs_threshold": None if not lstm or not thr else round(lstm / thr, 3),
@@ -97,18 +133,100 @@ def eval_command(
                   "trained_on": sorted({r.get("workload") for r in meta.training.get("runs", [])
                                         if r.get("split") in ("train", "val")})},
         "held_out": not any(r["in_training"] for r in runs_out),
+        "baselines": baselines,
+        "by_workload": by_workload,
+        "duplicates": duplicates,
         "runs": runs_out,
     })
     if report is not None:
         report.mkdir(parents=True, exist_ok=True)
         plot_roc(result, str(report / "roc.png"), title=f"P(OOM within 5 min) on {title}")
         plot_lead_times(result, str(report / "lead_times.png"), title=f"Warning lead time before OOM: {title}")
+        tables = [f"## {title}\n\n" + band_table(baselines)]
+        tables += [f"## {w}\n\n" + band_table(b) for w, b in by_workload.items()]
+        (report / "bands.md").write_text("\n".join(tables))
         (report / "eval.json").write_text(json.dumps(out, indent=1) + "\n")
-        out["report"] = {"roc": str(report / "roc.png"), "lead_times": str(report / "lead_times.png")}
+        out["report"] = {"roc": str(report / "roc.png"), "lead_times": str(report / "lead_times.png"),
+                         "bands": str(report / "bands.md")}
+        console.print("\n".join(tables))
     if as_json:
         typer.echo(json.dumps(out))
     else:
         console.print_json(json.dumps(out))
+
+
+def band_table(baselines: dict) -> str:
+    """The models side by side as a markdown table: AUC with its interval overall and per lead band,
+    recall at FPR <= 5 %, median lead time, false alarms per GPU-hour."""
+
+    def auc_cell(row: dict) -> str:
+        if row.get("auc") is None:
+            return f"n/a ({row.get('positives', 0)} +)" if "positives" in row else "n/a"
+        ci = row.get("auc_ci")
+        return f"{row['auc']:.3f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+
+    def num(x, fmt="{:.2f}") -> str:
+        return "n/a" if x is None else fmt.format(x)
+
+    models = [(k, v) for k, v in baselines.items() if isinstance(v, dict)]
+    bands = next((v["bands"] for _, v in models), [])
+    head = ["model", "AUC [95 % CI]", "recall @ FPR 5 %"]
+    head += [f"{lo:g}-{hi:g} s: AUC / recall" for lo, hi in (b["band_s"] for b in bands)]
+    head += ["median lead (s)", "false alarms / GPU-h"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, row in models:
+        cells = [name, auc_cell(row), num(row["recall_at_fpr_5pct"])]
+        cells += [f"{auc_cell(b)} / {num(b['recall_at_fpr_5pct'])}" for b in row["bands"]]
+        cells += [num(row["lead_time_median_s"], "{:.0f}"), num(row["false_alarms_per_gpu_hour"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _trace(run_key: str, seq, meta):
+    from kvguard.ml.evaluation import NodeTrace
+
+    down, censored = seq.masks(meta.horizon_s)
+    return NodeTrace(node=f"{run_key}:{seq.node}", ts_ns=seq.ts_ns, p_oom=seq.p_oom, firing=seq.firing,
+                     oom_ts_ns=seq.oom_ts_ns, tick_s=meta.tick_s, down=down, censored=censored, fleet=run_key,
+                     features=seq.features)
+
+
+def _fit_baselines(fit_data: Path | None) -> dict | None:
+    """The fitted baselines of ``kvguard.ml.baselines`` (None without a dataset to learn from)."""
+    from kvguard.ml.baselines import fit_tick_models
+    from kvguard.ml.dataset import TickDataset
+
+    return None if fit_data is None else fit_tick_models(TickDataset.load(fit_data))
+
+
+def _baselines(traces, meta, models: dict | None, bootstrap: int) -> dict:
+    """The alert tiers, the fitted ``models`` and the LSTM, scored on ``traces``' ticks."""
+    from kvguard.ml import baselines as bl
+    from kvguard.ml.training import hysteresis
+
+    out = {tier: bl.summarise(bl.tier_traces(traces, tier), meta.horizon_s, bootstrap_draws=bootstrap)
+           for tier in bl.TIER_BASELINES}
+    if models is not None:
+        for name, model in models.items():
+            scores = [model.score(tr.features) for tr in traces]
+            firing = [hysteresis(tr.ts_ns, p, model.threshold, meta.resolve_after_s) for tr, p in zip(traces, scores)]
+            out[name] = bl.summarise(bl.as_model_traces(traces, scores, firing), meta.horizon_s,
+                                     threshold=model.threshold, bootstrap_draws=bootstrap)
+    else:
+        out["note"] = "logistic and boosting need a dataset to learn from: give --data or --baseline-data"
+    lstm = bl.as_model_traces(traces, [tr.p_oom for tr in traces], [tr.firing["lstm"] for tr in traces])
+    out["lstm"] = bl.summarise(lstm, meta.horizon_s, threshold=meta.threshold, bootstrap_draws=bootstrap)
+    return out
+
+
+def _lowo(data: Path, meta, lstm_epochs: int, bootstrap: int) -> dict:
+    from kvguard.ml.baselines import leave_one_workload_out
+    from kvguard.ml.dataset import TickDataset
+    from kvguard.ml.training import TrainConfig
+
+    config = TrainConfig(epochs=lstm_epochs) if lstm_epochs > 0 else None
+    return leave_one_workload_out(TickDataset.load(data), horizon_s=meta.horizon_s,
+                                  resolve_after_s=meta.resolve_after_s, lstm_config=config, bootstrap_draws=bootstrap)
 
 
 def _offline(predictor, data: Path, split: str, mode: str):
@@ -134,4 +252,4 @@ def _offline(predictor, data: Path, split: str, mode: str):
     runs = sorted({int(ds.seq_run[s]) for s in ids})
     runs_out = [{"run": ds.runs[r].get("key", ds.runs[r]["workload"]), "in_training": False} for r in runs]
     title = ", ".join(sorted({ds.runs[r]["workload"] for r in runs}))
-    return traces, runs_out, title
+    return traces, [ds.runs[int(ds.seq_run[s])]["workload"] for s in ids], runs_out, title

@@ -8,6 +8,13 @@ Labels follow docs/ARCHITECTURE.md "Alerts and prediction": tick t is positive i
 dataset also keeps each sequence's OOM times and the threshold/slope tiers' firing per tick, as
 the stream core computed them, so evaluation needs no second simulation.
 
+Two kinds of tick carry no label (``TickDataset.scored`` is False; training and evaluation skip
+them, the LSTM still reads them as history): *down* ticks, while the GPU restarts after an OOM
+(from the OOM to the time the engine is up again, ``oom_up_ts_ns``), and *censored* ticks, whose
+5-minute horizon reaches past the end of the run (``seq_end_ns``), where no one saw whether an
+OOM followed. Runs whose ticks and OOMs are identical to an earlier run's (a trace workload
+replays the same arrivals for every seed) are kept once and listed under ``duplicates``.
+
 A dataset is a compressed ``.npz`` plus a ``.json`` manifest (feature names, run specs, splits,
 input file hashes, counts). Building is deterministic: same specs, same bytes.
 Pure: numpy and the standard library (the simulation is imported inside ``simulate_run``).
@@ -25,15 +32,15 @@ import numpy as np
 
 from kvguard.contracts.events import EventKind
 from kvguard.contracts.units import NS_PER_S
-from kvguard.ml.evaluation import DEFAULT_HORIZON_S, labels_for_ticks
+from kvguard.ml.evaluation import DEFAULT_HORIZON_S, censored_mask, down_mask, labels_for_ticks
 from kvguard.producers.fleet import Fleet
-from kvguard.producers.profiles import load_profile
+from kvguard.producers.profiles import load_profile, prompt_cap_tokens
 from kvguard.producers.workloads import SCENARIOS, load_workload, resolve_trace_path
 from kvguard.streams.alerts import FIRING
 from kvguard.streams.core import StreamConfig, StreamCore
 from kvguard.streams.metrics import FEATURE_NAMES, tick_features
 
-DATASET_FORMAT = "kvguard-tick-dataset/1"
+DATASET_FORMAT = "kvguard-tick-dataset/2"
 TIERS_STORED = ("threshold", "slope")
 SPLITS = ("train", "val", "test")
 
@@ -68,6 +75,16 @@ class Sequence:
     oom_ts_ns: np.ndarray  # [K] int64
     firing: dict[str, np.ndarray] = field(default_factory=dict)  # tier -> [L] bool
     p_oom: np.ndarray | None = None  # [L] the stream's tier-3 score, when a predictor ran
+    oom_up_ts_ns: np.ndarray | None = None  # [K] when the GPU was up again after each OOM; None: at once
+    end_ns: int | None = None  # end of what was observed (labels past it are censored); None: never
+
+    def up_times(self) -> np.ndarray:
+        return np.asarray(self.oom_ts_ns if self.oom_up_ts_ns is None else self.oom_up_ts_ns, dtype=np.int64)
+
+    def masks(self, horizon_s: float = DEFAULT_HORIZON_S) -> tuple[np.ndarray, np.ndarray]:
+        """(down, censored) per tick."""
+        return (down_mask(self.ts_ns, self.oom_ts_ns, self.up_times()),
+                censored_mask(self.ts_ns, self.end_ns, horizon_s))
 
 
 @dataclass(slots=True)
@@ -86,16 +103,41 @@ class TickDataset:
     horizon_s: float = DEFAULT_HORIZON_S
     tick_s: float = 10.0
     inputs: dict = field(default_factory=dict)  # file -> sha256
+    oom_up_ts_ns: np.ndarray | None = None  # [K] int64 aligned with oom_ts_ns; None: no downtime known
+    seq_end_ns: np.ndarray | None = None  # [S] int64, -1: observed forever; None: all -1
+    duplicates: list[dict] = field(default_factory=list)  # runs dropped as identical to a kept one
+    down: np.ndarray = field(init=False, repr=False)  # [N] bool, derived
+    censored: np.ndarray = field(init=False, repr=False)  # [N] bool, derived
+
+    def __post_init__(self) -> None:
+        if self.oom_up_ts_ns is None:
+            self.oom_up_ts_ns = self.oom_ts_ns.copy()
+        if self.seq_end_ns is None:
+            self.seq_end_ns = np.full(self.n_sequences, -1, np.int64)
+        down, censored = [], []
+        for s in range(self.n_sequences):
+            d, c = self.sequence(s).masks(self.horizon_s)
+            down.append(d)
+            censored.append(c)
+        self.down = np.concatenate(down) if down else np.zeros(0, bool)
+        self.censored = np.concatenate(censored) if censored else np.zeros(0, bool)
 
     @property
     def n_sequences(self) -> int:
         return len(self.seq_offsets) - 1
 
+    @property
+    def scored(self) -> np.ndarray:
+        """[N] bool: ticks with a label (the GPU was up and the horizon was observed)."""
+        return ~(self.down | self.censored)
+
     def sequence(self, s: int) -> Sequence:
         a, b = int(self.seq_offsets[s]), int(self.seq_offsets[s + 1])
         oa, ob = int(self.oom_offsets[s]), int(self.oom_offsets[s + 1])
+        end = int(self.seq_end_ns[s])
         return Sequence(node=self.seq_node[s], ts_ns=self.ts_ns[a:b], features=self.features[a:b],
-                        oom_ts_ns=self.oom_ts_ns[oa:ob], firing={k: v[a:b] for k, v in self.firing.items()})
+                        oom_ts_ns=self.oom_ts_ns[oa:ob], firing={k: v[a:b] for k, v in self.firing.items()},
+                        oom_up_ts_ns=self.oom_up_ts_ns[oa:ob], end_ns=None if end < 0 else end)
 
     def split_of(self, s: int) -> str:
         return self.runs[int(self.seq_run[s])]["split"]
@@ -109,11 +151,20 @@ class TickDataset:
         return np.concatenate([np.arange(self.seq_offsets[s], self.seq_offsets[s + 1])
                                for s in self.sequences_in(split)] or [np.zeros(0, np.int64)])
 
+    def scored_rows_in(self, split: str) -> np.ndarray:
+        """The rows of ``split`` that carry a label (neither down nor censored)."""
+        rows = self.rows_in(split)
+        return rows[self.scored[rows]]
+
     def summary(self) -> dict:
-        out = {"sequences": self.n_sequences, "ticks": int(len(self.labels)), "features": len(self.feature_names)}
+        """Counts per split; a split's ``ticks`` and ``positive_ticks`` are over scored ticks, the
+        masked ones are under ``masked_ticks`` (the top-level ``ticks`` counts every tick)."""
+        out = {"sequences": self.n_sequences, "ticks": int(len(self.labels)), "features": len(self.feature_names),
+               "masked_ticks": {}, "duplicate_runs": len(self.duplicates)}
         for split in SPLITS:
             seqs = self.sequences_in(split)
-            rows = self.rows_in(split)
+            all_rows = self.rows_in(split)
+            rows = self.scored_rows_in(split)
             out[split] = {
                 "runs": len({int(self.seq_run[s]) for s in seqs}),
                 "sequences": len(seqs),
@@ -122,11 +173,14 @@ class TickDataset:
                 "ooms": int(sum(self.oom_offsets[s + 1] - self.oom_offsets[s] for s in seqs)),
                 "workloads": sorted({self.runs[int(self.seq_run[s])]["workload"] for s in seqs}),
             }
+            out["masked_ticks"][split] = {"down": int(self.down[all_rows].sum()),
+                                          "censored": int((self.censored[all_rows] & ~self.down[all_rows]).sum())}
         return out
 
     def manifest(self) -> dict:
         return {"format": DATASET_FORMAT, "feature_names": list(self.feature_names), "horizon_s": self.horizon_s,
-                "tick_s": self.tick_s, "inputs": dict(self.inputs), "runs": self.runs, "summary": self.summary()}
+                "tick_s": self.tick_s, "inputs": dict(self.inputs), "runs": self.runs,
+                "duplicates": list(self.duplicates), "summary": self.summary()}
 
     def save(self, path: str | Path) -> tuple[Path, Path]:
         """Write ``<path>.npz`` and ``<path>.json``; returns both paths."""
@@ -135,7 +189,8 @@ class TickDataset:
         arrays = {"features": self.features, "labels": self.labels, "ts_ns": self.ts_ns,
                   "seq_offsets": self.seq_offsets, "seq_run": self.seq_run,
                   "seq_node": np.asarray(self.seq_node, dtype=np.str_),
-                  "oom_ts_ns": self.oom_ts_ns, "oom_offsets": self.oom_offsets}
+                  "oom_ts_ns": self.oom_ts_ns, "oom_offsets": self.oom_offsets,
+                  "oom_up_ts_ns": self.oom_up_ts_ns, "seq_end_ns": self.seq_end_ns}
         arrays.update({f"firing_{k}": v.astype(np.uint8) for k, v in self.firing.items()})
         with open(npz, "wb") as fh:
             np.savez_compressed(fh, **arrays)
@@ -153,10 +208,10 @@ class TickDataset:
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("format") != DATASET_FORMAT:
             raise DatasetError(f"{manifest_path}: field 'format' is {manifest.get('format')!r}, "
-                               f"expected {DATASET_FORMAT!r}")
+                               f"expected {DATASET_FORMAT!r} (rebuild it with `kvguard dataset`)")
         with np.load(npz, allow_pickle=False) as z:
             missing = {"features", "labels", "ts_ns", "seq_offsets", "seq_run", "seq_node", "oom_ts_ns",
-                       "oom_offsets"} - set(z.files)
+                       "oom_offsets", "oom_up_ts_ns", "seq_end_ns"} - set(z.files)
             if missing:
                 raise DatasetError(f"{npz}: arrays missing: {sorted(missing)}")
             firing = {k[len("firing_"):]: z[k].astype(bool) for k in z.files if k.startswith("firing_")}
@@ -165,7 +220,8 @@ class TickDataset:
                      seq_node=[str(x) for x in z["seq_node"]], oom_ts_ns=z["oom_ts_ns"],
                      oom_offsets=z["oom_offsets"], firing=firing, runs=list(manifest["runs"]),
                      horizon_s=float(manifest["horizon_s"]), tick_s=float(manifest["tick_s"]),
-                     inputs=dict(manifest.get("inputs", {})))
+                     inputs=dict(manifest.get("inputs", {})), oom_up_ts_ns=z["oom_up_ts_ns"],
+                     seq_end_ns=z["seq_end_ns"], duplicates=list(manifest.get("duplicates", [])))
         if ds.features.shape[1] != len(ds.feature_names):
             raise DatasetError(f"{npz}: features has {ds.features.shape[1]} columns, manifest lists "
                                f"{len(ds.feature_names)} feature_names")
@@ -173,9 +229,11 @@ class TickDataset:
 
 
 def assemble(feature_names: list[str], runs: list[tuple[dict, list[Sequence]]], *,
-             horizon_s: float = DEFAULT_HORIZON_S, tick_s: float = 10.0, inputs: dict | None = None) -> TickDataset:
-    """Concatenate runs of sequences into one dataset, labelling every tick (docs/ARCHITECTURE.md, "Alerts and prediction")."""
-    feats, labels, ts, ooms, seq_run, seq_node = [], [], [], [], [], []
+             horizon_s: float = DEFAULT_HORIZON_S, tick_s: float = 10.0, inputs: dict | None = None,
+             duplicates: list[dict] | None = None) -> TickDataset:
+    """Concatenate runs of sequences into one dataset, labelling every tick (docs/ARCHITECTURE.md,
+    "Alerts and prediction"); run counts are over scored ticks."""
+    feats, labels, ts, ooms, ups, ends, seq_run, seq_node = [], [], [], [], [], [], [], []
     firing: dict[str, list[np.ndarray]] = {t: [] for t in TIERS_STORED}
     seq_lengths, oom_counts, run_rows = [], [], []
     for r, (run_info, seqs) in enumerate(runs):
@@ -188,19 +246,24 @@ def assemble(feature_names: list[str], runs: list[tuple[dict, list[Sequence]]], 
                 raise DatasetError(f"run {r} node {seq.node}: features shape {seq.features.shape}, "
                                    f"expected [L, {len(feature_names)}]")
             y = labels_for_ticks(seq.ts_ns, seq.oom_ts_ns, horizon_s)
+            down, censored = seq.masks(horizon_s)
+            scored = ~(down | censored)
             feats.append(seq.features.astype(np.float32))
             labels.append(y)
             ts.append(seq.ts_ns.astype(np.int64))
-            ooms.append(np.sort(seq.oom_ts_ns.astype(np.int64)))
+            order = np.argsort(seq.oom_ts_ns, kind="mergesort")
+            ooms.append(np.asarray(seq.oom_ts_ns, np.int64)[order])
+            ups.append(seq.up_times()[order])
+            ends.append(-1 if seq.end_ns is None else int(seq.end_ns))
             for tier in TIERS_STORED:
                 firing[tier].append(np.asarray(seq.firing.get(tier, np.zeros(len(y), bool)), dtype=bool))
             seq_run.append(r)
             seq_node.append(seq.node)
             seq_lengths.append(len(y))
             oom_counts.append(len(seq.oom_ts_ns))
-            n_ticks += len(y)
+            n_ticks += int(scored.sum())
             n_ooms += len(seq.oom_ts_ns)
-            n_pos += int(y.sum())
+            n_pos += int(y[scored].sum())
         run_rows.append(dict(run_info, ticks=n_ticks, ooms=n_ooms, positive_ticks=n_pos))
     n_features = len(feature_names)
     return TickDataset(
@@ -214,7 +277,9 @@ def assemble(feature_names: list[str], runs: list[tuple[dict, list[Sequence]]], 
         oom_ts_ns=np.concatenate(ooms) if ooms else np.zeros(0, np.int64),
         oom_offsets=np.r_[0, np.cumsum(oom_counts)].astype(np.int64),
         firing={t: (np.concatenate(v) if v else np.zeros(0, bool)) for t, v in firing.items()},
-        runs=run_rows, horizon_s=horizon_s, tick_s=tick_s, inputs=dict(inputs or {}))
+        runs=run_rows, horizon_s=horizon_s, tick_s=tick_s, inputs=dict(inputs or {}),
+        oom_up_ts_ns=np.concatenate(ups) if ups else np.zeros(0, np.int64),
+        seq_end_ns=np.asarray(ends, dtype=np.int64), duplicates=list(duplicates or []))
 
 
 def file_sha256(path: str | Path) -> str:
@@ -254,8 +319,10 @@ def synthetic_sequences(n_sequences: int, length: int, feature_names: list[str],
         if len(feature_names) > 1:
             feats[:, (u_col + 1) % len(feature_names)] += 2.0 * np.clip(u, 0, 1)
         oom_ts = np.asarray(kept, dtype=np.int64) * tick_ns - tick_ns // 2  # between ticks k-1 and k
+        up_ts = (np.asarray(kept, dtype=np.int64) + 5) * tick_ns  # ticks k .. k+5 are down
         out.append(Sequence(node=f"synthetic-{seed}/gpu{s}", ts_ns=ts, features=feats, oom_ts_ns=oom_ts,
-                            firing={"threshold": u > 0.9, "slope": np.r_[False, np.diff(u) > 0.01]}))
+                            firing={"threshold": u > 0.9, "slope": np.r_[False, np.diff(u) > 0.01]},
+                            oom_up_ts_ns=up_ts, end_ns=int(ts[-1]) if length else None))
     return out
 
 
@@ -329,6 +396,16 @@ def spec_dict(spec: RunSpec) -> dict:
     return asdict(spec)
 
 
+def run_fingerprint(sequences: list[Sequence]) -> str:
+    """sha256 over every node's tick times, features and OOM times: equal for identical runs."""
+    h = hashlib.sha256()
+    for seq in sequences:
+        for array in (seq.ts_ns, seq.features, seq.oom_ts_ns):
+            h.update(np.ascontiguousarray(array).tobytes())
+        h.update(seq.node.encode())
+    return h.hexdigest()
+
+
 TIER_OF_RULE_TIER = {1: "threshold", 2: "slope", 3: "lstm"}
 
 
@@ -371,7 +448,7 @@ def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ti
     started = time.monotonic()
     profile = load_profile(spec.profile)
     workload = load_workload(spec.workload, rate_scale=spec.rate_scale, window=spec.duration_s, seed=spec.seed,
-                             max_prompt_tokens=profile.max_model_len)
+                             max_prompt_tokens=prompt_cap_tokens(profile))
     fleet = Fleet(spec.n_gpus, profile, seed=spec.seed)
     fleet.submit_workload(workload)
     config = StreamConfig(tick_s=tick_s)
@@ -384,6 +461,8 @@ def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ti
     feats: dict[str, list[np.ndarray]] = {n: [] for n in fleet.nodes}
     times: dict[str, list[int]] = {n: [] for n in fleet.nodes}
     ooms: dict[str, list[int]] = {n: [] for n in fleet.nodes}
+    ups: dict[str, list[int]] = {n: [] for n in fleet.nodes}
+    engine_of = {e.node: e for e in fleet.engines}
     transitions: dict[str, list] = {n: [] for n in fleet.nodes}
     scores: dict[str, list[float]] = {n: [] for n in fleet.nodes}
     kept: dict[str, list] = {n: [] for n in fleet.nodes}
@@ -407,6 +486,9 @@ def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ti
             oom_rows = b.events["kind"] == EventKind.OOM
             if oom_rows.any():
                 ooms[b.node].extend(int(t) for t in b.events["ts_ns"][oom_rows])
+                # the engine is down until then (an OOM restarts it; two OOMs of one GPU are
+                # further apart than one flush step, so this is the latest OOM's restart)
+                ups[b.node].extend([int(engine_of[b.node].down_until_ns)] * int(oom_rows.sum()))
         absorb(*core.process_many(batches))
     absorb(*core.flush(end_ns))
     sequences = []
@@ -415,6 +497,7 @@ def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ti
         features = np.stack(feats[node]) if feats[node] else np.zeros((0, len(FEATURE_NAMES)), np.float32)
         sequences.append(Sequence(node=node, ts_ns=ts, features=features.astype(np.float32),
                                   oom_ts_ns=np.asarray(ooms[node], dtype=np.int64),
+                                  oom_up_ts_ns=np.asarray(ups[node], dtype=np.int64), end_ns=end_ns,
                                   firing=firing_by_tier(ts, transitions[node]),
                                   p_oom=np.asarray(scores[node], dtype=np.float64) if predictor else None))
     return RunRecord(spec=spec, sequences=sequences, ticks=kept if keep_ticks else {},
@@ -435,17 +518,27 @@ def workload_inputs(workload: str) -> dict[str, str]:
 
 def build_dataset(specs: list[RunSpec], *, tick_s: float = 10.0,
                   progress=None) -> TickDataset:
-    """Simulate every run and assemble the dataset. ``progress(i, n, spec, record)`` after each run."""
+    """Simulate every run and assemble the dataset. ``progress(i, n, spec, record)`` after each run.
+
+    A run identical to an earlier one (``run_fingerprint``; a trace workload ignores the seed) is
+    not kept twice: it would count the same OOMs twice, or put one run in two splits."""
     inputs: dict[str, str] = {}
     runs = []
+    kept: dict[str, str] = {}  # fingerprint -> key of the run kept
+    duplicates = []
     for i, spec in enumerate(specs):
         if spec.split not in SPLITS:
             raise DatasetError(f"run {i} ({spec.key()}): split {spec.split!r} not in {SPLITS}")
         inputs.update(workload_inputs(spec.workload))
         record = simulate_run(spec, tick_s=tick_s)
-        info = dict(spec_dict(spec), key=spec.key(), engine=record.summary,
-                    requests=record.workload.get("requests", None))
-        runs.append((info, record.sequences))
+        fingerprint = run_fingerprint(record.sequences)
+        if fingerprint in kept:
+            duplicates.append({"key": spec.key(), "split": spec.split, "same_as": kept[fingerprint]})
+        else:
+            kept[fingerprint] = spec.key()
+            info = dict(spec_dict(spec), key=spec.key(), engine=record.summary,
+                        requests=record.workload.get("requests", None))
+            runs.append((info, record.sequences))
         if progress:
             progress(i + 1, len(specs), spec, record)
-    return assemble(list(FEATURE_NAMES), runs, tick_s=tick_s, inputs=inputs)
+    return assemble(list(FEATURE_NAMES), runs, tick_s=tick_s, inputs=inputs, duplicates=duplicates)

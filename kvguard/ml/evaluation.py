@@ -18,6 +18,19 @@ Definitions (kept here so the numbers in a report can be traced to one place):
 - isolated OOM: one with no OOM on the same node in the ``isolation_s`` (600 s) before it. In a
   crash loop (OOM, restart, OOM again a minute later) no tier can warn longer than the gap since
   the previous crash, so lead times are also reported over isolated OOMs alone.
+- masked ticks are neither positive nor negative: a *down* tick falls while the GPU restarts after
+  an OOM (T, T_up] (nothing there can be predicted or prevented), a *censored* tick's horizon
+  reaches past the end of what was observed (t + horizon > end: its label is unknown). AUC, recall
+  and the operating point use scored ticks only; a tier's firing on a masked tick counts neither as
+  a warning (lead time) nor as an alarm (false alarms); false alarms per GPU-hour divide by the
+  scored hours.
+- lead band (a, b]: the positive ticks whose next OOM is a to b seconds ahead, scored against all
+  negatives (``LEAD_BANDS_S``: 0-30 s, 30-120 s, 120-300 s), so a model that only sees the last
+  seconds shows high AUC in the first band and chance in the last.
+- event: OOMs of one fleet within ``cascade_s`` (60 s) of each other are one event (a fleet-wide
+  wave); ``auc_ci`` is an event-level bootstrap: resample events (with the positive ticks leading
+  to them) and 10-minute blocks of negative ticks per fleet, with replacement, and take the 2.5 and
+  97.5 percentiles of the AUC, so a result resting on two waves gets the wide interval it deserves.
 """
 
 from __future__ import annotations
@@ -30,6 +43,10 @@ from kvguard.contracts.units import NS_PER_S
 
 DEFAULT_HORIZON_S = 300.0
 DEFAULT_ISOLATION_S = 600.0
+DEFAULT_CASCADE_S = 60.0
+LEAD_BANDS_S: tuple[tuple[float, float], ...] = ((0.0, 30.0), (30.0, 120.0), (120.0, 300.0))
+NEGATIVE_BLOCK_S = 600.0  # negatives are resampled in blocks this long: neighbouring ticks are alike
+BOOTSTRAP_DRAWS = 500
 MIN_CLASS_TICKS = 30  # fewer positive or negative ticks than this: AUC/recall are withheld (noise)
 
 
@@ -45,6 +62,103 @@ def labels_for_ticks(ts_ns: np.ndarray, oom_ts_ns: np.ndarray, horizon_s: float 
     has_next = nxt < len(ooms)
     next_oom = np.where(has_next, ooms[np.minimum(nxt, len(ooms) - 1)], np.iinfo(np.int64).max)
     return (has_next & (next_oom - ts <= horizon_ns)).astype(np.uint8)
+
+
+def down_mask(ts_ns: np.ndarray, oom_ts_ns: np.ndarray, up_ts_ns: np.ndarray) -> np.ndarray:
+    """True for the ticks while the GPU is down: t in (T_k, U_k] for an OOM at T_k back up at U_k."""
+    ts = np.asarray(ts_ns, dtype=np.int64)
+    ooms = np.asarray(oom_ts_ns, dtype=np.int64)
+    ups = np.asarray(up_ts_ns, dtype=np.int64)
+    if ooms.shape != ups.shape:
+        raise ValueError(f"oom_ts_ns has {ooms.size} entries but up_ts_ns has {ups.size}")
+    if ooms.size == 0:
+        return np.zeros(len(ts), dtype=bool)
+    order = np.argsort(ooms, kind="mergesort")
+    ooms, ups = ooms[order], ups[order]
+    k = np.searchsorted(ooms, ts, side="left") - 1  # the last OOM strictly before t
+    return (k >= 0) & (ts <= np.where(k >= 0, ups[np.maximum(k, 0)], 0))
+
+
+def censored_mask(ts_ns: np.ndarray, end_ns: int | None, horizon_s: float = DEFAULT_HORIZON_S) -> np.ndarray:
+    """True for the ticks whose horizon reaches past ``end_ns`` (None: observed forever)."""
+    ts = np.asarray(ts_ns, dtype=np.int64)
+    if end_ns is None:
+        return np.zeros(len(ts), dtype=bool)
+    return ts + int(round(horizon_s * NS_PER_S)) > int(end_ns)
+
+
+def lead_to_next_oom_s(ts_ns: np.ndarray, oom_ts_ns: np.ndarray) -> np.ndarray:
+    """Seconds from each tick to the node's first OOM strictly after it (inf when none follows)."""
+    ts = np.asarray(ts_ns, dtype=np.int64)
+    ooms = np.sort(np.asarray(oom_ts_ns, dtype=np.int64))
+    nxt = np.searchsorted(ooms, ts, side="right")
+    out = np.full(len(ts), np.inf)
+    has = nxt < len(ooms)
+    out[has] = (ooms[nxt[has]] - ts[has]) / NS_PER_S
+    return out
+
+
+def merge_cascades(oom_ts_ns: np.ndarray, fleet: np.ndarray, cascade_s: float = DEFAULT_CASCADE_S) -> np.ndarray:
+    """An event id per OOM: OOMs of one fleet each within ``cascade_s`` of the previous one are one
+    event (a wave that takes GPU after GPU down counts once, however many GPUs it reaches)."""
+    t = np.asarray(oom_ts_ns, dtype=np.int64)
+    f = np.asarray(fleet)
+    ids = np.zeros(len(t), dtype=np.int64)
+    gap_ns = int(round(cascade_s * NS_PER_S))
+    next_id = 0
+    for name in dict.fromkeys(f.tolist()):
+        rows = np.flatnonzero(f == name)
+        rows = rows[np.argsort(t[rows], kind="mergesort")]
+        new_event = np.r_[True, np.diff(t[rows]) > gap_ns]
+        ids[rows] = next_id + np.cumsum(new_event) - 1
+        next_id += int(new_event.sum())
+    return ids
+
+
+def weighted_auc(labels: np.ndarray, scores: np.ndarray, weights: np.ndarray) -> float:
+    """AUC where tick i counts ``weights[i]`` times (ties count half); NaN with one class."""
+    y = np.asarray(labels).astype(bool)
+    _, group = np.unique(np.asarray(scores, dtype=np.float64), return_inverse=True)  # tied scores, ascending
+    return _grouped_auc(group, y, np.asarray(weights, dtype=np.float64))
+
+
+def _grouped_auc(group: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:
+    pos = np.bincount(group, weights=w * y)
+    neg = np.bincount(group, weights=w * ~y)
+    total_pos, total_neg = pos.sum(), neg.sum()
+    if total_pos <= 0 or total_neg <= 0:
+        return float("nan")
+    below = np.cumsum(neg) - neg
+    return float((pos * (below + 0.5 * neg)).sum() / (total_pos * total_neg))
+
+
+def bootstrap_auc_ci(labels: np.ndarray, scores: np.ndarray, clusters: np.ndarray, *,
+                     draws: int = BOOTSTRAP_DRAWS, seed: int = 0, level: float = 0.95) -> list[float] | None:
+    """[low, high] of the AUC when whole clusters are resampled with replacement, positive and
+    negative clusters apart (each keeps its count). ``clusters``: one id per tick, never shared
+    between a positive and a negative tick. None with fewer than two clusters of either class."""
+    y = np.asarray(labels).astype(bool)
+    c = np.asarray(clusters, dtype=np.int64)
+    _, cid = np.unique(c, return_inverse=True)
+    n_clusters = int(cid.max()) + 1 if cid.size else 0
+    positive_cluster = np.zeros(n_clusters, dtype=bool)
+    positive_cluster[cid[y]] = True
+    pos_ids, neg_ids = np.flatnonzero(positive_cluster), np.flatnonzero(~positive_cluster)
+    if len(pos_ids) < 2 or len(neg_ids) < 2:
+        return None
+    rng = np.random.default_rng(seed)
+    _, group = np.unique(np.asarray(scores, dtype=np.float64), return_inverse=True)
+    values = []
+    for _ in range(draws):
+        times = np.bincount(rng.choice(pos_ids, len(pos_ids)), minlength=n_clusters) \
+            + np.bincount(rng.choice(neg_ids, len(neg_ids)), minlength=n_clusters)
+        values.append(_grouped_auc(group, y, times[cid].astype(np.float64)))
+    values = np.asarray(values)
+    values = values[np.isfinite(values)]
+    if not values.size:
+        return None
+    tail = (1.0 - level) / 2.0 * 100.0
+    return [float(np.percentile(values, tail)), float(np.percentile(values, 100.0 - tail))]
 
 
 def _check_scores(labels: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -179,7 +293,10 @@ def count_false_alarms(ts_ns: np.ndarray, firing: np.ndarray, oom_ts_ns: np.ndar
 
 @dataclass(slots=True)
 class NodeTrace:
-    """What evaluation needs from one node's run: tick times, scores, tier firing, OOM times."""
+    """What evaluation needs from one node's run: tick times, scores, tier firing, OOM times, and
+    which ticks are masked (``down``, ``censored``: None = none). ``fleet`` names the GPUs that
+    share a router (cascades merge within it); empty: the node is a fleet of its own. ``features``
+    [L, F]: the tick features, for baselines that score them (None when not kept)."""
 
     node: str
     ts_ns: np.ndarray
@@ -187,6 +304,19 @@ class NodeTrace:
     firing: dict[str, np.ndarray]
     oom_ts_ns: np.ndarray
     tick_s: float = 10.0
+    down: np.ndarray | None = None
+    censored: np.ndarray | None = None
+    fleet: str = ""
+    features: np.ndarray | None = field(default=None, repr=False)
+
+    def masks(self) -> tuple[np.ndarray, np.ndarray]:
+        """(down, scored) per tick."""
+        n = len(self.ts_ns)
+        down = np.zeros(n, bool) if self.down is None else np.asarray(self.down, dtype=bool)
+        censored = np.zeros(n, bool) if self.censored is None else np.asarray(self.censored, dtype=bool)
+        if down.shape != (n,) or censored.shape != (n,):
+            raise ValueError(f"node {self.node}: masks must have one entry per tick ({n})")
+        return down, ~(down | censored)
 
 
 @dataclass(slots=True)
@@ -204,6 +334,17 @@ class EvaluationResult:
     alarm_episodes: dict[str, int]
     roc: tuple[np.ndarray, np.ndarray] = field(repr=False, default=(np.zeros(0), np.zeros(0)))
     operating_point: dict | None = None  # tpr/fpr at the model's calibrated threshold, when given
+    scored: int = -1  # ticks neither down nor censored; -1: all ticks
+    down_ticks: int = 0
+    censored_ticks: int = 0
+    scored_hours: float = -1.0  # hours of scored ticks (the GPU-hours false alarms divide by); -1: node_hours
+    events: int = 0  # independent OOM events after merging cascades
+    auc_ci: list[float] | None = None
+    bands: list[dict] = field(default_factory=list)
+
+    @property
+    def scored_ticks(self) -> int:
+        return self.ticks if self.scored < 0 else self.scored
 
     def lead_time_median_s(self) -> dict[str, float]:
         return {tier: float(np.median(v)) if v else float("nan") for tier, v in self.lead_times_s.items()}
@@ -219,27 +360,33 @@ class EvaluationResult:
                 for tier, v in self.lead_times_s.items()}
 
     def false_alarms_per_hour(self) -> dict[str, float]:
-        hours = max(self.node_hours, 1e-9)
+        hours = max(self.node_hours if self.scored_hours < 0 else self.scored_hours, 1e-9)
         return {tier: n / hours for tier, n in self.false_alarms.items()}
 
     def to_dict(self) -> dict:
         def clean(x: float) -> float | None:
             return None if x is None or not np.isfinite(x) else round(float(x), 4)
 
-        negatives = self.ticks - self.positives
+        negatives = self.scored_ticks - self.positives
         enough = min(self.positives, negatives) >= MIN_CLASS_TICKS
+        per_gpu_hour = {k: clean(v) for k, v in self.false_alarms_per_hour().items()}
         return {
             "auc": clean(self.auc) if enough else None,
+            "auc_ci": [clean(x) for x in self.auc_ci] if enough and self.auc_ci else None,
             "recall_at_fpr_5pct": clean(self.recall_at_fpr_5pct) if enough else None,
             "threshold_at_fpr_5pct": clean(self.threshold_at_fpr_5pct) if enough else None,
             "auc_valid": enough,
             "auc_note": None if enough else (
                 f"AUC/recall withheld: {self.positives} positive and {negatives} negative ticks "
                 f"(need >= {MIN_CLASS_TICKS} of each); raw AUC {clean(self.auc)}"),
-            "ticks": self.ticks,
+            "bands": self.bands,
+            "ticks": self.scored_ticks,
             "positive_ticks": self.positives,
             "negative_ticks": negatives,
+            "masked_ticks": {"down": self.down_ticks, "censored": self.censored_ticks},
+            "all_ticks": self.ticks,
             "ooms": self.ooms,
+            "events": self.events,
             "node_hours": round(self.node_hours, 4),
             "lead_time_median_s": {k: clean(v) for k, v in self.lead_time_median_s().items()},
             "lead_time_recall": {k: clean(v) for k, v in self.recall_by_tier().items()},
@@ -248,42 +395,99 @@ class EvaluationResult:
             "isolated_lead_time_recall": {
                 k: clean(float(np.mean(np.asarray(v)[np.asarray(self.isolated, bool)] > 0)))
                 if any(self.isolated) else None for k, v in self.lead_times_s.items()},
-            "false_alarms_per_hour": {k: clean(v) for k, v in self.false_alarms_per_hour().items()},
+            "false_alarms_per_gpu_hour": per_gpu_hour,
+            "false_alarms_per_hour": per_gpu_hour,  # the older name of the same figure
             "alarm_episodes": dict(self.alarm_episodes),
             "at_operating_threshold": self.operating_point,
         }
 
 
+def _score_summary(y: np.ndarray, s: np.ndarray, clusters: np.ndarray, draws: int) -> dict:
+    """AUC, recall at FPR <= 5 % and the event-bootstrap interval of labelled scores (withheld, None,
+    when either class has fewer than ``MIN_CLASS_TICKS`` ticks)."""
+    positives, negatives = int(y.sum()), int(y.size - y.sum())
+    out = {"positives": positives, "auc": None, "auc_ci": None, "recall_at_fpr_5pct": None}
+    if min(positives, negatives) < MIN_CLASS_TICKS:
+        return out
+    ci = bootstrap_auc_ci(y, s, clusters, draws=draws) if draws else None
+    out.update(auc=round(auc(y, s), 4), recall_at_fpr_5pct=round(recall_at_fpr(y, s, 0.05)[0], 4),
+               auc_ci=None if ci is None else [round(x, 4) for x in ci])
+    return out
+
+
+def _clusters(traces: list[NodeTrace], labels: list[np.ndarray], cascade_s: float) -> tuple[list[np.ndarray], int]:
+    """Per trace, a bootstrap cluster id per tick: a positive tick belongs to the event of the OOM
+    it precedes, a negative tick to its fleet's ``NEGATIVE_BLOCK_S`` block; and the event count."""
+    fleets = [tr.fleet or tr.node for tr in traces]
+    fleet_index = {f: i for i, f in enumerate(dict.fromkeys(fleets))}
+    sorted_ooms = [np.sort(np.asarray(tr.oom_ts_ns, np.int64)) for tr in traces]
+    owner = np.concatenate([np.full(len(o), fleet_index[f]) for o, f in zip(sorted_ooms, fleets)] or [np.zeros(0, int)])
+    event = merge_cascades(np.concatenate(sorted_ooms or [np.zeros(0, np.int64)]), owner, cascade_s)
+    n_events = int(len(np.unique(event)))
+    block_ns = int(NEGATIVE_BLOCK_S * NS_PER_S)
+    out, block_keys, start = [], [], 0
+    for tr, f, y, ooms in zip(traces, fleets, labels, sorted_ooms):
+        ts = np.asarray(tr.ts_ns, np.int64)
+        ids = np.zeros(len(ts), dtype=np.int64)
+        if len(ooms):
+            nxt = np.minimum(np.searchsorted(ooms, ts, side="right"), len(ooms) - 1)
+            ids[y == 1] = event[start + nxt[y == 1]]
+        start += len(ooms)
+        block_keys.append(fleet_index[f] * (1 << 40) + ts[y == 0] // block_ns)
+        out.append(ids)
+    _, block_id = np.unique(np.concatenate(block_keys or [np.zeros(0, np.int64)]), return_inverse=True)
+    at = 0
+    for ids, y in zip(out, labels):
+        k = int((y == 0).sum())
+        ids[y == 0] = n_events + block_id[at:at + k]
+        at += k
+    return out, n_events
+
+
 def evaluate_traces(traces: list[NodeTrace], tiers: tuple[str, ...] = ("threshold", "slope", "lstm"),
-                    horizon_s: float = DEFAULT_HORIZON_S, threshold: float | None = None) -> EvaluationResult:
-    """Score a set of node runs: tick-level ROC of ``p_oom`` and OOM-level lead times per tier.
+                    horizon_s: float = DEFAULT_HORIZON_S, threshold: float | None = None,
+                    cascade_s: float = DEFAULT_CASCADE_S, bootstrap_draws: int = BOOTSTRAP_DRAWS) -> EvaluationResult:
+    """Score a set of node runs: tick-level ROC of ``p_oom`` over the scored ticks, per lead band,
+    with event-bootstrap intervals, and OOM-level lead times and false alarms per tier.
 
     ``recall_at_fpr_5pct`` picks the best threshold on these very ticks (the ROC's point); pass the
     model's calibrated ``threshold`` to also get the true/false-positive rates it really runs at.
     """
-    labels, scores = [], []
+    labels, scores, keep, lead_next = [], [], [], []
     leads: dict[str, list[float]] = {t: [] for t in tiers}
     false = dict.fromkeys(tiers, 0)
     episodes = dict.fromkeys(tiers, 0)
-    node_hours = 0.0
-    ooms = 0
+    node_hours = scored_hours = 0.0
+    ooms = n_down = n_censored = 0
     isolated: list[bool] = []
     for tr in traces:
+        down, scored = tr.masks()
         labels.append(labels_for_ticks(tr.ts_ns, tr.oom_ts_ns, horizon_s))
         scores.append(np.asarray(tr.p_oom, dtype=np.float64))
+        keep.append(scored)
+        lead_next.append(lead_to_next_oom_s(tr.ts_ns, tr.oom_ts_ns))
         node_hours += len(tr.ts_ns) * tr.tick_s / 3600.0
+        scored_hours += int(scored.sum()) * tr.tick_s / 3600.0
+        n_down += int(down.sum())
+        n_censored += int((~scored & ~down).sum())
         ooms += len(tr.oom_ts_ns)
         isolated.extend(isolated_ooms(tr.oom_ts_ns).tolist())
         for tier in tiers:
             fire = tr.firing.get(tier)
             if fire is None:
                 raise KeyError(f"node {tr.node}: no firing series for tier {tier!r}")
-            leads[tier].extend(lead_times_s(tr.ts_ns, fire, tr.oom_ts_ns).tolist())
-            f, n = count_false_alarms(tr.ts_ns, fire, tr.oom_ts_ns, horizon_s)
+            fire = np.asarray(fire, dtype=bool)
+            leads[tier].extend(lead_times_s(tr.ts_ns, fire & ~down, tr.oom_ts_ns).tolist())
+            f, n = count_false_alarms(tr.ts_ns, fire & scored, tr.oom_ts_ns, horizon_s)
             false[tier] += f
             episodes[tier] += n
-    y = np.concatenate(labels) if labels else np.zeros(0, np.uint8)
-    s = np.concatenate(scores) if scores else np.zeros(0)
+    clusters, n_events = _clusters(traces, labels, cascade_s)
+    kept = np.concatenate(keep) if keep else np.zeros(0, bool)
+    n_all = int(kept.size)
+    y = (np.concatenate(labels) if labels else np.zeros(0, np.uint8))[kept]
+    s = (np.concatenate(scores) if scores else np.zeros(0))[kept]
+    c = (np.concatenate(clusters) if clusters else np.zeros(0, np.int64))[kept]
+    lead = (np.concatenate(lead_next) if lead_next else np.zeros(0))[kept]
     if y.size and 0 < y.sum() < y.size:
         area = auc(y, s)
         recall, best_threshold = recall_at_fpr(y, s, 0.05)
@@ -291,6 +495,12 @@ def evaluate_traces(traces: list[NodeTrace], tiers: tuple[str, ...] = ("threshol
     else:
         area, recall, best_threshold = float("nan"), float("nan"), float("nan")
         fpr, tpr = np.zeros(0), np.zeros(0)
+    enough = min(int(y.sum()), int(y.size - y.sum())) >= MIN_CLASS_TICKS
+    ci = bootstrap_auc_ci(y, s, c, draws=bootstrap_draws) if enough and bootstrap_draws else None
+    bands = []
+    for lo, hi in LEAD_BANDS_S:
+        sel = (y == 0) | ((lead > lo) & (lead <= hi))
+        bands.append({"band_s": [lo, hi], **_score_summary(y[sel], s[sel], c[sel], bootstrap_draws)})
     operating = None
     if threshold is not None and y.size:
         fired = s >= threshold
@@ -298,8 +508,11 @@ def evaluate_traces(traces: list[NodeTrace], tiers: tuple[str, ...] = ("threshol
                      "tpr": round(float(fired[y == 1].mean()), 4) if y.any() else None,
                      "fpr": round(float(fired[y == 0].mean()), 4) if (~y.astype(bool)).any() else None}
     return EvaluationResult(auc=area, recall_at_fpr_5pct=recall, threshold_at_fpr_5pct=best_threshold,
-                            operating_point=operating, ticks=int(y.size), positives=int(y.sum()), ooms=ooms, node_hours=node_hours,
-                            lead_times_s=leads, isolated=isolated, false_alarms=false, alarm_episodes=episodes, roc=(fpr, tpr))
+                            operating_point=operating, ticks=n_all, positives=int(y.sum()), ooms=ooms,
+                            node_hours=node_hours, lead_times_s=leads, isolated=isolated, false_alarms=false,
+                            alarm_episodes=episodes, roc=(fpr, tpr), scored=int(y.size), down_ticks=n_down,
+                            censored_ticks=n_censored, scored_hours=scored_hours, events=n_events, auc_ci=ci,
+                            bands=bands)
 
 
 def plot_roc(result: EvaluationResult, path: str, title: str = "") -> None:

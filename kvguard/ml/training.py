@@ -8,9 +8,13 @@ is put on every step after ``burn_in_ticks`` (120), so each target is predicted 
 of history around the stream's 180 — one chunk yields 120 targets instead of one. Scoring
 (validation, test, ``kvguard eval`` offline) uses the exact windows.
 
-The P(OOM) head uses a class-weighted BCE (positives are rare), the U_kv head an MSE on the next
-``traj_steps`` ticks (masked past the end of a sequence). The operating threshold is the lowest
-whose false-positive rate on the validation runs is <= 5 %. Offline lead times assume the alert
+The P(OOM) head uses a class-weighted BCE (positives are rare) over the scored ticks only (a tick
+while the GPU restarts, or whose horizon runs past the end of its run, has no label: it is read as
+history, never a target), the U_kv head an MSE on the next ``traj_steps`` ticks (masked past the
+end of a sequence). The operating threshold is the lowest whose false-positive rate on the scored
+ticks of the validation runs is <= 5 %: runs of the training workloads at other rates and seeds,
+never a held-out (test) run, so the held-out figures measure a threshold chosen without them
+(``metrics.threshold_calibration`` names the runs it came from). Offline lead times assume the alert
 engine's hysteresis: the rule fires at p >= threshold and resolves after ``resolve_after_s`` clear.
 """
 
@@ -147,7 +151,7 @@ def _prepared(ds: TickDataset, seq_ids: list[int], norm: Normalisation, steps: i
     for s in seq_ids:
         a, b = int(ds.seq_offsets[s]), int(ds.seq_offsets[s + 1])
         targets, mask = future_targets(ds.features[a:b, u_col], steps)
-        real = np.r_[np.zeros(pad, bool), np.ones(b - a, bool)]
+        real = np.r_[np.zeros(pad, bool), ds.scored[a:b]]  # masked ticks carry no P(OOM) loss
         seq = ds.sequence(s)
         weight = first_crash_weights(seq.ts_ns, seq.oom_ts_ns, ds.horizon_s, isolated_weight)
         out.append((pad_left(norm.apply(ds.features[a:b]), pad), pad_left(ds.labels[a:b].astype(np.float32), pad),
@@ -189,14 +193,20 @@ def score_dataset(net: OOMNet, ds: TickDataset, seq_ids: list[int], norm: Normal
 
 
 def traces_for(ds: TickDataset, seq_ids: list[int], scores: list[np.ndarray], threshold: float,
-               resolve_after_s: float) -> list[NodeTrace]:
+               resolve_after_s: float, tier: str = "lstm") -> list[NodeTrace]:
+    """Node traces of ``seq_ids`` scored by ``scores``, with the stored threshold/slope firing and
+    ``tier`` firing at ``threshold`` (with hysteresis); masks and fleets come from the dataset."""
     traces = []
     for s, p in zip(seq_ids, scores):
         seq = ds.sequence(s)
-        firing = {tier: seq.firing.get(tier, np.zeros(len(p), bool)) for tier in ("threshold", "slope")}
-        firing["lstm"] = hysteresis(seq.ts_ns, p, threshold, resolve_after_s)
+        a, b = int(ds.seq_offsets[s]), int(ds.seq_offsets[s + 1])
+        firing = {name: seq.firing.get(name, np.zeros(len(p), bool)) for name in ("threshold", "slope")}
+        firing[tier] = hysteresis(seq.ts_ns, p, threshold, resolve_after_s)
+        run = ds.runs[int(ds.seq_run[s])]
         traces.append(NodeTrace(node=seq.node, ts_ns=seq.ts_ns, p_oom=p, firing=firing,
-                                oom_ts_ns=seq.oom_ts_ns, tick_s=ds.tick_s))
+                                oom_ts_ns=seq.oom_ts_ns, tick_s=ds.tick_s, down=ds.down[a:b],
+                                censored=ds.censored[a:b], fleet=str(run.get("key", f"run{int(ds.seq_run[s])}")),
+                                features=ds.features[a:b]))
     return traces
 
 
@@ -214,8 +224,8 @@ def train(ds: TickDataset, config: TrainConfig = TrainConfig(), *,
     train_ids, val_ids, test_ids = (ds.sequences_in(s) for s in ("train", "val", "test"))
     if not train_ids:
         raise ValueError("dataset has no 'train' runs")
-    train_rows = ds.rows_in("train")
-    norm = Normalisation.fit(ds.features[train_rows])
+    norm = Normalisation.fit(ds.features[ds.rows_in("train")])
+    train_rows = ds.scored_rows_in("train")
     n_pos = float(ds.labels[train_rows].sum())
     pos_weight = min(config.max_pos_weight, (len(train_rows) - n_pos) / max(n_pos, 1.0))
     seqs = _prepared(ds, train_ids, norm, config.traj_steps, config.window_ticks, config.isolated_weight)
@@ -252,14 +262,21 @@ def train(ds: TickDataset, config: TrainConfig = TrainConfig(), *,
     net.eval()
     calib_ids = val_ids or train_ids
     calib_scores = score_dataset(net, ds, calib_ids, norm, config.window_ticks, config.score_mode)
+    calib_scored = np.concatenate([ds.scored[ds.seq_offsets[s]:ds.seq_offsets[s + 1]] for s in calib_ids])
     calib_labels = np.concatenate([ds.labels[ds.seq_offsets[s]:ds.seq_offsets[s + 1]] for s in calib_ids])
-    scores_flat = np.concatenate(calib_scores)
+    calib_labels = calib_labels[calib_scored]
+    scores_flat = np.concatenate(calib_scores)[calib_scored]
     if 0 < calib_labels.sum() < len(calib_labels):
         threshold = threshold_for_fpr(calib_labels, scores_flat, config.max_fpr)
     else:
         threshold = 0.5
     threshold = float(min(max(threshold, 1e-4), 1.0))
-    metrics = {"pos_weight": round(pos_weight, 3)}
+    metrics = {"pos_weight": round(pos_weight, 3),
+               "threshold_calibration": {
+                   "split": "val" if val_ids else "train", "max_fpr": config.max_fpr,
+                   "workloads": sorted({ds.runs[int(ds.seq_run[s])]["workload"] for s in calib_ids}),
+                   "runs": sorted({ds.runs[int(ds.seq_run[s])].get("key", "") for s in calib_ids}),
+                   "scored_ticks": int(len(calib_labels))}}
     for name, ids, scores in (("validation", calib_ids, calib_scores),
                               ("held_out", test_ids, score_dataset(net, ds, test_ids, norm, config.window_ticks,
                                                                    config.score_mode) if test_ids else [])):

@@ -39,7 +39,7 @@ PUBLIC = {
     "kvguard.streams": {"alerts", "core", "embedded", "lstm", "metrics", "mirror", "outputs", "predictor"},
     "kvguard.policy": {"engine", "service", "strategy", "budget", "slo"},
     "kvguard.actuators": {"actuator", "executor"},
-    "kvguard.ml": {"dataset", "evaluation", "training"},
+    "kvguard.ml": {"dataset", "evaluation", "training", "baselines"},
     "kvguard.ops": {"exporter", "rca", "demo_report", "export_service", "static_sweep", "timeline_report"},
 }
 
