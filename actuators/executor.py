@@ -61,6 +61,7 @@ class Executor:
             Action.COMPACT: self._compact,
             Action.RECLAIM: self._reclaim,
             Action.HEADROOM: self._headroom,
+            Action.BATCH_CAP: self._batch_cap,
         }
 
     def execute(self, command: Command, now_ns: int) -> ExecutionResult:
@@ -128,6 +129,13 @@ class Executor:
 
     def _headroom(self, command: Command, now_ns: int) -> ExecutionResult:
         self.engine.set_admission_headroom(max(0, int(command.units_needed)))
+        return _result(0, 0, 1, 0, [])
+
+    def _batch_cap(self, command: Command, now_ns: int) -> ExecutionResult:
+        cap = getattr(self.engine, "set_batch_token_cap", None)
+        if cap is None:
+            return _result(0, 0, 0, 1, ["batch_cap: this engine has no per-step token budget to cap"])
+        cap(max(0, int(command.units_needed)), max(0, int(command.max_moves)))
         return _result(0, 0, 1, 0, [])
 
     # -- page choice -------------------------------------------------------------------------

@@ -38,7 +38,17 @@ Per tick and node:
    horizon): the burst it guards against lands on a calm node within one tick (measured: a
    node released after 300 calm seconds crashed 64 s later), and on a calm node it costs
    nothing, since admission only feels it once the node is ~55 % full.
-6. Compaction trigger (the "fragmentation" trigger of docs/ARCHITECTURE.md "Policy", read on the real need): when the
+6. Allocator guard (``allocator_guard``, on for vLLM-engine profiles): a CUDA OOM on such a node
+   comes from PyTorch's caching allocator, not from the KV blocks (a KV shortage preempts), and
+   its transient peak grows with the tokens of one step (activations, and the logits of requests
+   asking for prompt logprobs, which vLLM's profiling run does not count: vllm#5907). When the
+   node shows allocator pressure — an OOM, a malloc retried after releasing cached blocks
+   (``alloc_retries``), or P(OOM) at the strategy's threshold — the engine caps the per-step
+   token budget at ``batch_cap_tokens`` (vLLM's ``max_num_batched_tokens``, lowered between
+   steps by the plugin; ``batch_cap`` command), and releases it after ``batch_cap_calm_ticks``
+   ticks without pressure. The count survives a restart of the node (an OOM restarts it): the
+   cap is re-sent to the fresh engine.
+7. Compaction trigger (the "fragmentation" trigger of docs/ARCHITECTURE.md "Policy", read on the real need): when the
    largest free run falls under ``planner.compact_run_factor`` run requirements while the free
    space in total is at least that, the structural guard fires and the plan compacts (no
    eviction: free space suffices, it is only scattered).
@@ -82,6 +92,9 @@ class EngineConfig:
     prompt_horizon_s: float = 900.0  # how long a seen prompt size counts
     prompt_safety_runs: float = 1.0  # run requirements left free after the largest prompt lands
     max_headroom_frac: float = 0.45  # never hold back more than this share of D
+    allocator_guard: bool = False  # vLLM-engine profiles: cap the token budget on allocator pressure
+    batch_cap_tokens: int = 0  # the cap (tokens per step); 0 turns the guard off
+    batch_cap_calm_ticks: int = 60  # ticks without allocator pressure before the cap is released
     max_nodes: int = 10_000  # per-node state held; past it the least recently seen node is evicted
     max_epoch_jump: int = 1 << 61  # a tick of an epoch further ahead is rejected, not a restart
 
@@ -113,6 +126,7 @@ class EngineCounters:
     mode_changes: int = 0
     no_candidate: int = 0
     headroom_commands: int = 0
+    batch_cap_commands: int = 0
     stale_ticks: int = 0  # duplicate or out-of-order ticks skipped (a redelivery after recovery)
     restarts: int = 0  # ticks of a newer producer epoch: the node restarted, its policy state started over
     epoch_jumps_rejected: int = 0  # ticks whose epoch was more than max_epoch_jump ahead of the node's
@@ -136,6 +150,8 @@ class PolicyEngine:
         self._last_ts: dict[str, int] = {}  # node -> ts_ns of the last tick decided on (least recent first)
         self._epoch: dict[str, int] = {}  # node -> producer epoch of the last tick decided on
         self._prompt_max: dict[int, int] = {}  # minute of event time -> largest prompt seen (units)
+        self._cap: dict[str, tuple[int, int]] = {}  # node -> (cap sent, ts_ns it was sent); not sent: absent
+        self._cap_calm: dict[str, int] = {}  # node -> ticks since allocator pressure (kept over restarts)
 
     def strategy_for(self, mode: Mode) -> Strategy:
         return self.config.emergency if mode is Mode.EMERGENCY else self.config.default
@@ -210,9 +226,10 @@ class PolicyEngine:
             if view.u_kv >= self.config.headroom_from_u_kv else None)
         decision.reason, decision.plan = at_risk, the_plan
         headroom = self._headroom(view, mode, at_risk)
+        cap, cap_reason = self._batch_cap(view, strategy)
         decision.commands = self._commands(view, strategy, mode, the_plan, headroom, at_risk or "pressure fell",
-                                           epoch)
-        if any(c.action is not Action.HEADROOM for c in decision.commands):
+                                           epoch, cap=cap, cap_reason=cap_reason)
+        if any(c.action not in (Action.HEADROOM, Action.BATCH_CAP) for c in decision.commands):
             self.modes.note_action(view.node, view.ts_ns)
         return decision
 
@@ -223,6 +240,7 @@ class PolicyEngine:
             return False
         self._restart(node, count=False)
         self._epoch.pop(node, None)
+        self._cap_calm.pop(node, None)
         if idle:
             self.counters.nodes_evicted_idle += 1
         else:
@@ -234,7 +252,7 @@ class PolicyEngine:
         clock, with no hold in place on its fresh engine."""
         self.counters.restarts += count
         self.modes.forget(node)
-        for per_node in (self._last_ts, self._last_scan_ns, self._recent, self._held, self._calm):
+        for per_node in (self._last_ts, self._last_scan_ns, self._recent, self._held, self._calm, self._cap):
             per_node.pop(node, None)
 
     def _contiguity_risk(self, view: NodeView) -> str | None:
@@ -301,6 +319,30 @@ class PolicyEngine:
         self._held[view.node] = (want, view.ts_ns)
         return want
 
+    def _batch_cap(self, view: NodeView, strategy: Strategy) -> tuple[int | None, str]:
+        """The token cap to command now (0 releases), or None to leave it as it is; and why."""
+        cfg = self.config
+        if not (cfg.allocator_guard and cfg.batch_cap_tokens > 0):
+            return None, ""
+        pressure = None
+        if view.ooms:
+            pressure = f"{view.ooms} allocator OOM(s) in the last tick"
+        elif view.alloc_retries:
+            pressure = f"{view.alloc_retries} allocator retries (cached blocks released to serve a malloc)"
+        elif view.p_oom is not None and strategy.use_prediction and view.p_oom >= strategy.p_oom_threshold:
+            pressure = f"P(OOM in 5 min) {view.p_oom:.2f} >= {strategy.p_oom_threshold}"
+        calm = 0 if pressure else self._cap_calm.get(view.node, cfg.batch_cap_calm_ticks) + 1
+        self._cap_calm[view.node] = calm
+        want = cfg.batch_cap_tokens if calm < cfg.batch_cap_calm_ticks else 0
+        sent = self._cap.get(view.node)
+        stale = sent is not None and sent[0] and view.ts_ns - sent[1] >= cfg.headroom_refresh_s * NS_PER_S
+        if (sent is None and not want) or (sent is not None and sent[0] == want and not stale):
+            return None, ""
+        self._cap[view.node] = (want, view.ts_ns)
+        why = pressure or (f"allocator pressure {calm} tick(s) ago" if want else
+                           f"{calm} ticks without allocator pressure: cap released")
+        return want, f"token budget {want or 'restored'}: {why}"
+
     # -- when to act -------------------------------------------------------------------------
 
     def _structural_guard(self, view: NodeView, budget_remaining_frac: float | None) -> str | None:
@@ -331,7 +373,8 @@ class PolicyEngine:
     # -- what to send ------------------------------------------------------------------------
 
     def _commands(self, view: NodeView, strategy: Strategy, mode: Mode, the_plan: Plan,
-                  headroom: int | None, reason: str, epoch: int = 0) -> list[Command]:
+                  headroom: int | None, reason: str, epoch: int = 0, *, cap: int | None = None,
+                  cap_reason: str = "") -> list[Command]:
         ttl_ns = int(self.config.command_ttl_s * NS_PER_S)
         common = dict(node=view.node, granularity=strategy.granularity, handling=strategy.handling,
                       reason=reason, mode=mode, variant=strategy.variant,
@@ -349,6 +392,9 @@ class PolicyEngine:
             targets = tuple(Target(v.req, v.units) for v in the_plan.victims)
             drafts.append(Command(id="", action=Action.EVICT, targets=targets,
                                   units_needed=the_plan.units_needed, **common))
+        if cap is not None:  # last: the other actions keep their positions (and ids) on every profile
+            drafts.append(Command(id="", action=Action.BATCH_CAP, targets=(), units_needed=cap,
+                                  **(common | {"reason": cap_reason})))
         out = []
         # a restarted node's clock starts over: its epoch keeps its ids apart from the old run's
         # (which its actuator's journal may still hold); epoch 0 keeps the plain (node, ts) ids
@@ -365,6 +411,8 @@ class PolicyEngine:
                 self.counters.compact_commands += 1
             elif cmd.action is Action.HEADROOM:
                 self.counters.headroom_commands += 1
+            elif cmd.action is Action.BATCH_CAP:
+                self.counters.batch_cap_commands += 1
             else:
                 self.counters.reclaim_commands += 1
         return out

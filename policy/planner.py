@@ -97,6 +97,8 @@ class NodeView:
     alloc_failures: int = 0
     candidates: tuple[Candidate, ...] = ()
     unit_tokens: int = 4
+    alloc_retries: int = 0  # caching allocator: cached blocks released and a malloc retried, in the interval
+    alloc_reserved_bytes: int = 0  # 0: the node reports no allocator layer
 
     @property
     def pending_prefill_units(self) -> int:
@@ -140,6 +142,7 @@ class PlannerConfig:
     compacted_f_ext: float = 0.05  # F_ext expected right after a compaction
     moves_per_missing_unit: float = 0.25  # compaction moves per unit the largest run lacks
     min_units: int = 16  # do not bother evicting less than this
+    reclaim_cached: bool = True  # False on vLLM engines: cached blocks already count as free there
     alpha: float = ALPHA
     beta: float = BETA
 
@@ -270,7 +273,7 @@ def plan(view: NodeView, strategy: Strategy, config: PlannerConfig, cost: CostMo
     # cost only future prefix hits) go first, live pages cover the rest
     wanted_run = int(config.required_run_units * (1.0 + config.run_margin))
     shortfall = max(0, wanted_run - view.free_units) if config.required_run_units else 0
-    reclaim = min(view.cached_units, shortfall)
+    reclaim = min(view.cached_units, shortfall) if config.reclaim_cached else 0
     if reclaim:
         notes.append(f"reclaim {reclaim} cached units")
     live_need = max(need, shortfall - reclaim)
@@ -296,7 +299,8 @@ def view_from_tick(tick: Tick, *, dynamic_units: int | None = None, unit_tokens:
         preemptions=int(tick.preemptions or 0), alloc_failures=int(tick.alloc_failures or 0),
         candidates=tuple(c if c.generated_tokens is not None else replace(c, generated_tokens=c.decoded_tokens)
                          for c in tick.candidates),
-        unit_tokens=unit_tokens,
+        unit_tokens=unit_tokens, alloc_retries=int(tick.alloc_retries or 0),
+        alloc_reserved_bytes=int(tick.alloc_reserved_bytes or 0),
     )
 
 

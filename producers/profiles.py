@@ -261,6 +261,16 @@ def profile_names(path: str | None = None) -> list[str]:
     return sorted(_load(path)["profiles"])
 
 
+def prompt_cap_tokens(profile: Profile) -> int | None:
+    """The longest prompt a run feeds the engine (``kvguard simulate``, the demo and the ML dataset share
+    this rule): the seed engine caps prompts that could never fit one GPU's KV region (said in the
+    workload notes); the vLLM engine takes them as they are and rejects those over ``max_model_len``,
+    as vLLM does (None)."""
+    if profile.engine == "vllm":
+        return None
+    return min(profile.max_model_len - 1024, int(profile.capacity_tokens * 0.6))
+
+
 @dataclass(slots=True, frozen=True)
 class EngineKnobs:
     """The start-up settings an operator passes to ``vllm serve`` that change memory or scheduling,

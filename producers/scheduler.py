@@ -268,6 +268,9 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
+        # the budget schedule() starts from (vLLM's ``Scheduler.max_num_scheduled_tokens``); an actuator's
+        # batch-token cap lowers it between steps, as kvguard's vLLM plugin does
+        self.max_num_scheduled_tokens = config.max_num_batched_tokens
         self.kv = KVCacheManager(config.num_gpu_blocks, block_size=config.block_size,
                                  max_model_len=config.max_model_len, enable_caching=config.enable_prefix_caching,
                                  watermark=config.watermark)
@@ -316,7 +319,7 @@ class Scheduler:
     def schedule(self) -> ScheduleOutput:
         self.step += 1
         cfg = self.config
-        budget = cfg.max_num_batched_tokens
+        budget = self.max_num_scheduled_tokens
         scheduled: dict[Hashable, int] = {}
         block_ids: dict[Hashable, tuple[int, ...]] = {}
         preempted: list[Sequence] = []

@@ -146,6 +146,8 @@ class VllmEngine:
         self._prompt_logprobs: set[int] = set()
         self._outstanding = 0
         self._headroom_blocks = 0
+        self._batch_cap = 0  # per-step token budget an actuator set (0: the profile's max_batched_tokens)
+        self._batch_cap_steps = 0  # non-empty steps the cap still lasts (0: until released)
         self._quiet = False
         self.last_step_ns = -1
         # outcomes (the seed engine's names and meanings)
@@ -177,6 +179,8 @@ class VllmEngine:
         scheduler = EngineScheduler(config, self.recorder)
         self._base_watermark = scheduler.kv.watermark_blocks
         scheduler.kv.watermark_blocks = self._base_watermark + self._headroom_blocks
+        if self._batch_cap:
+            scheduler.max_num_scheduled_tokens = min(p.max_batched_tokens, self._batch_cap)
         return scheduler
 
     def _start_worker(self, now_ns: int) -> None:
@@ -310,6 +314,7 @@ class VllmEngine:
         for rid in finished:
             self._complete(rid, end)
         self.steps += 1
+        self._count_capped_steps(1)
         self.now_ns = self.last_step_ns = end
         # fusable next: every running request sampled (so each has exactly one token to compute), and the
         # waiting queue cannot move before a finish or an arrival (it is empty, or this step was
@@ -382,8 +387,8 @@ class VllmEngine:
             self.failed += 1
             self._outstanding -= info.outstanding
             rec.row(_FINISH, now, rid, flags=_FAILED, tokens=len(seq.output_token_ids))
-        rec.row(_RESET, now)
-        self._retire_worker(now)
+        self._retire_worker(now)  # the dead process's allocator rows (blocks and segments released) first,
+        rec.row(_RESET, now)  # then the reset: a mirror that resets first meets frees of blocks it dropped
         self._awaiting_first.clear()
         self._prompt_logprobs.clear()
         self.scheduler = self._new_scheduler()
@@ -425,6 +430,23 @@ class VllmEngine:
         self._quiet = False
         return EvictResult(req=req, handling=Handling.RECOMPUTE, pages=len(blocks), units_freed=len(blocks) - shared,
                            tokens=computed, shared_pages=shared)
+
+    def set_batch_token_cap(self, tokens: int, steps: int = 0) -> None:
+        """Cap the per-step token budget at ``tokens`` (at least ``max_num_seqs``, as vLLM requires of
+        the budget) for ``steps`` non-empty steps (0: until released); ``tokens`` 0 releases. The plugin
+        does the same to vLLM's ``Scheduler.max_num_scheduled_tokens`` (producers.vllm_plugin_actions)."""
+        configured = self.profile.max_batched_tokens
+        self._batch_cap = min(configured, max(int(tokens), self.profile.max_num_seqs)) if tokens > 0 else 0
+        self._batch_cap_steps = int(steps) if tokens > 0 and steps > 0 else 0
+        if self.scheduler is not None:
+            self.scheduler.max_num_scheduled_tokens = self._batch_cap or configured
+        self._quiet = False
+
+    def _count_capped_steps(self, n: int) -> None:
+        if self._batch_cap_steps:
+            self._batch_cap_steps -= n
+            if self._batch_cap_steps <= 0:
+                self.set_batch_token_cap(0)
 
     def set_admission_headroom(self, units: int) -> None:
         """Hold ``units`` blocks back from admission on top of vLLM's watermark (0 releases them)."""

@@ -177,6 +177,7 @@ def fused_decode(engine, until_ns: int) -> bool:
         engine._quiet = not len(sched.waiting)
     sched._finished_since_schedule = list(finished.get(k_full - 1, ()))
     engine.steps += k_full
+    engine._count_capped_steps(k_full)
     if oom is not None:
         engine._crash(starts[k_full], oom)
         return True

@@ -21,7 +21,8 @@ or an internal the scheduler itself uses for the same purpose (named per action)
   pause_scheduler(mode="wait")`` sets for good). Outside ``schedule()`` the queue and the pause state
   are vLLM's own, so the engine keeps counting held requests as unfinished and keeps stepping;
 - ``cap_batch_tokens(max_tokens, steps)``: ``Scheduler.max_num_scheduled_tokens`` (the token
-  budget ``schedule()`` starts from) is lowered for the next ``steps`` non-empty steps;
+  budget ``schedule()`` starts from) is lowered for the next ``steps`` non-empty steps (None: until
+  ``release_batch_cap()``), during each ``schedule()`` call;
 - ``set_headroom(blocks)``: ``KVCacheManager.watermark_blocks`` (the free blocks vLLM keeps back
   when it admits a waiting or preempted request) is raised by ``blocks`` (0 restores vLLM's own);
 - ``empty_cache()``: ``torch.cuda.empty_cache()`` when this process has initialised CUDA (the
@@ -142,11 +143,19 @@ class VllmActions:
         return self._done("drain", "executed", f"{len(self.scheduler.running)} running requests finish, "
                                                f"{len(self.scheduler.waiting)} wait")
 
-    def cap_batch_tokens(self, max_tokens: int, steps: int) -> ActionResult:
-        if max_tokens <= 0 or steps <= 0:
-            raise ValueError(f"cap_batch_tokens: max_tokens and steps must be > 0, got {max_tokens}, {steps}")
-        self.batch_cap, self.batch_cap_steps = int(max_tokens), int(steps)
-        return self._done("batch_cap", "executed", f"at most {max_tokens} tokens per step for {steps} steps")
+    def cap_batch_tokens(self, max_tokens: int, steps: int | None) -> ActionResult:
+        """At most ``max_tokens`` scheduled tokens per step for ``steps`` non-empty steps (None: until
+        ``release_batch_cap``)."""
+        if max_tokens <= 0 or (steps is not None and steps <= 0):
+            raise ValueError(f"cap_batch_tokens: max_tokens > 0 and steps > 0 or None, got {max_tokens}, {steps}")
+        self.batch_cap, self.batch_cap_steps = int(max_tokens), (int(steps) if steps is not None else None)
+        return self._done("batch_cap", "executed", f"at most {max_tokens} tokens per step "
+                                                   + (f"for {steps} steps" if steps else "until released"))
+
+    def release_batch_cap(self) -> ActionResult:
+        had = self.batch_cap is not None
+        self.batch_cap = self.batch_cap_steps = None
+        return self._done("batch_cap", "executed" if had else "noop", "token budget restored" if had else "no cap")
 
     def set_headroom(self, blocks: int) -> ActionResult:
         self.headroom_blocks = max(0, int(blocks))
@@ -221,10 +230,10 @@ class VllmActions:
         """Count a non-empty step against the hold and the cap."""
         if not scheduled_tokens:
             return
-        if self.batch_cap is not None:
+        if self.batch_cap is not None and self.batch_cap_steps is not None:
             self.batch_cap_steps -= 1
             if self.batch_cap_steps <= 0:
-                self.batch_cap = None
+                self.batch_cap = self.batch_cap_steps = None
         if self.hold_steps is not None:
             self.hold_steps -= 1
             if self.hold_steps <= 0:
@@ -278,3 +287,10 @@ class ExecutorEngine:
 
     def set_admission_headroom(self, units: int) -> None:
         self.actions.set_headroom(units)
+
+    def set_batch_token_cap(self, tokens: int, steps: int = 0) -> None:
+        """The ``batch_cap`` command: ``tokens`` 0 releases; ``steps`` 0 lasts until released."""
+        if tokens <= 0:
+            self.actions.release_batch_cap()
+        else:
+            self.actions.cap_batch_tokens(tokens, steps or None)

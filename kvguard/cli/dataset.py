@@ -1,5 +1,7 @@
 """`kvguard dataset`: simulate runs (shadow engine, baseline) through the stream core and save tick
-feature sequences with OOM labels as ``<out>.npz`` + ``<out>.json`` (manifest)."""
+feature sequences with OOM labels as ``<out>.npz`` + ``<out>.json`` (manifest). Ticks while a GPU
+restarts and ticks whose horizon runs past the end of their run are masked (``masked_ticks``);
+runs identical to an earlier one are kept once (``duplicate_runs``)."""
 
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
     for prompt logprobs (``echo`` + ``logprobs``, as lm-eval-harness's loglikelihood tasks do)."""
     from kvguard.contracts.units import NS_PER_S
     from kvguard.producers.fleet import Fleet
-    from kvguard.producers.profiles import ProfileError, load_profile
+    from kvguard.producers.profiles import ProfileError, load_profile, prompt_cap_tokens
     from kvguard.producers.workloads import load_workload
 
     from kvguard.producers.vllm_engine import VllmEngineConfig
@@ -77,7 +77,7 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
     # the seed engine caps prompts that could never fit one GPU's KV region (said in the notes); the
     # vLLM engine takes them as they are and rejects those over max_model_len, as vLLM does
     wl = load_workload(workload, rate_scale=rate_scale, window=duration_s, seed=seed,
-                       max_prompt_tokens=simulate_prompt_cap(profile))
+                       max_prompt_tokens=prompt_cap_tokens(profile))
     config = VllmEngineConfig(prompt_logprobs_frac=prompt_logprobs_frac) if profile.engine == "vllm" else None
     fleet = Fleet(gpus, profile, seed=seed, config=config)
     fleet.submit_workload(wl)
@@ -139,15 +139,6 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
     if write_error is not None:
         raise EventLogFailed(events_out, write_error, out)
     return out
-
-
-def simulate_prompt_cap(profile) -> int | None:
-    """The longest prompt a run feeds the engine: the seed engine caps prompts that could never fit one
-    GPU's KV region (said in the workload notes); the vLLM engine takes them as they are and rejects
-    those over ``max_model_len``, as vLLM does (None)."""
-    if profile.engine == "vllm":
-        return None
-    return min(profile.max_model_len - 1024, int(profile.capacity_tokens * 0.6))
 
 
 def _close_quietly(writer) -> None:

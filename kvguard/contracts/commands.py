@@ -33,6 +33,9 @@ class Action(StrEnum):
     COMPACT = "compact"  # migrate pages to coalesce free runs (no request loses anything)
     RECLAIM = "reclaim"  # drop cached (unreferenced) prefix pages
     HEADROOM = "headroom"  # hold ``units_needed`` units back from admission (0 = release)
+    # cap the per-step token budget (vLLM: ``max_num_batched_tokens``) at ``units_needed`` tokens for
+    # ``max_moves`` steps (0: until released); ``units_needed`` 0 releases. Bounds activation and logits peaks.
+    BATCH_CAP = "batch_cap"
 
 
 class Mode(StrEnum):

@@ -173,17 +173,22 @@ def engine_config_from(settings: Any, profile: Any, strategy_overrides: Mapping[
             built = strategy_from_mapping(values, base=base, field_prefix=f"policy.{name}")
             default, emergency = (built, emergency) if name == "default" else (default, built)
     geometry = profile.geometry
+    vllm = getattr(profile, "engine", "seed") == "vllm"
     workspace = profile.workspace_units(profile.max_batched_tokens)
     cost = CostModel(step_base_s=profile.step_base_s, prefill_s_per_token=profile.step_prefill_token_s,
                      decode_s_per_token=profile.step_decode_seq_s, unit_tokens=geometry.unit_tokens,
                      unit_bytes=geometry.unit_bytes, host_link_bytes_per_s=profile.host_bandwidth_bytes_per_s)
-    planner = PlannerConfig(required_run_units=workspace + max(geometry.page_classes))
+    planner = PlannerConfig(required_run_units=workspace + max(geometry.page_classes), reclaim_cached=not vllm)
     return EngineConfig(default=default, emergency=emergency, planner=planner, cost=cost,
                         command_ttl_s=float(policy.command_ttl_s), dynamic_units=geometry.dynamic_units,
                         unit_tokens=geometry.unit_tokens,
                         engine_reserve_units=workspace + int(0.01 * geometry.dynamic_units),
                         budget_f_ext=float(settings.budget.f_ext_threshold),
-                        max_nodes=policy.max_nodes, max_epoch_jump=policy.max_epoch_jump)
+                        max_nodes=policy.max_nodes, max_epoch_jump=policy.max_epoch_jump,
+                        # vLLM engines: the full-sequence gate already admits only what fits whole, and
+                        # their OOMs are the caching allocator's, whose peaks the token budget bounds
+                        use_headroom=not vllm, allocator_guard=vllm,
+                        batch_cap_tokens=max(profile.max_num_seqs, profile.max_batched_tokens // 2) if vllm else 0)
 
 
 def make_ledger(settings: Any, redis_url: str | None = None):

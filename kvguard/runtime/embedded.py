@@ -18,6 +18,7 @@ from typing import Any
 
 from kvguard.bus.inproc import InprocBus
 from kvguard.contracts.units import NS_PER_S
+from kvguard.producers.profiles import prompt_cap_tokens
 from kvguard.producers.workloads import load_workload
 from kvguard.runtime.bootstrap import make_ledger, make_slo_ledger
 from kvguard.streams.outputs import output_records
@@ -49,11 +50,8 @@ class RunResult:
 
 
 def demo_workload(profile: Any, *, workload: str, rate_scale: float, duration_s: float, seed: int):
-    # the seed's engine caps prompts that could never fit one GPU (and says so); the vLLM-faithful
-    # engine rejects prompts over max_model_len at arrival, as vLLM does, so they reach it uncapped
-    max_prompt = None if getattr(profile, "engine", "seed") == "vllm" else min(
-        profile.max_model_len - 1024, int(profile.capacity_tokens * 0.6))
-    return load_workload(workload, rate_scale=rate_scale, window=duration_s, seed=seed, max_prompt_tokens=max_prompt)
+    return load_workload(workload, rate_scale=rate_scale, window=duration_s, seed=seed,
+                         max_prompt_tokens=prompt_cap_tokens(profile))
 
 
 async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: float, seed: int, guarded: bool,

@@ -68,3 +68,27 @@ def test_prompt_logprobs_beyond_the_profiled_peak_oom_in_the_allocator_and_expan
     default = run_simulation("azure-conv", gpus=2, duration_s=600.0, rate_scale=2.0, profile_name=VLLM,
                              prompt_logprobs_frac=0.05, drain=False)
     assert default["ooms"] == 0  # vLLM's default 0.9 leaves room for them here
+
+
+def test_an_allocator_oom_restart_keeps_the_stream_mirror_of_the_allocator_exact():
+    """The dead worker's allocator rows (its blocks and segments released) come before the RESET row:
+    a mirror resets on RESET, so rows after it would free blocks it no longer holds (the batch was
+    rejected and the node marked unsynced)."""
+    from kvguard.producers.fleet import Fleet
+    from kvguard.producers.vllm_engine import VllmEngineConfig
+    from kvguard.producers.workloads import load_workload
+    from kvguard.streams.core import StreamCore
+
+    fleet = Fleet(1, load_profile(VLLM, knobs=EngineKnobs(gpu_memory_utilization=0.95)),
+                  config=VllmEngineConfig(prompt_logprobs_frac=0.05))
+    fleet.submit_workload(load_workload("mixed", rate_scale=2.25, window=120))
+    core = StreamCore()
+    engine = fleet.engines[0]
+    for t in range(10, 200, 10):
+        fleet.advance(t * NS_PER_S)
+        core.process_many(fleet.take_batches(t * NS_PER_S))
+        if engine.memory is not None:  # the worker is up: the mirror holds what the twin reserves
+            layer = core.nodes[engine.node].mirror.allocator.metrics()
+            assert layer.reserved_bytes == engine.memory.stats()["reserved_bytes"]
+    assert engine.ooms > 0
+    assert core.counters.batches_failed == 0
