@@ -25,14 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvguard.contracts.units import NS_PER_S
 from kvguard.producers.fleet import Fleet
-from kvguard.producers.profiles import load_profile
+from kvguard.producers.profiles import load_profile, prompt_cap_tokens
 from kvguard.producers.vllm_engine import VllmEngineConfig
 from kvguard.producers.workloads import load_workload
 
 
 def run_case(profile_name: str, workload: str, rate_scale: float, seconds: float, config=None) -> dict:
     profile = load_profile(profile_name)
-    cap = None if profile.engine == "vllm" else min(profile.max_model_len - 1024, int(profile.capacity_tokens * 0.6))
+    cap = prompt_cap_tokens(profile)
     wl = load_workload(workload, rate_scale=rate_scale, window=seconds, max_prompt_tokens=cap)
     fleet = Fleet(1, profile, seed=0, config=config)
     fleet.submit_workload(wl)

@@ -17,16 +17,22 @@ in-memory demo keeps ``sim-0/gpu<i>`` and is deterministic for a seed. Ledger ou
 on stderr, their figures are in ``--json`` under ``ledger``, and the exit status is 3 when
 writes were still unstored at the end.
 
-Where the gain comes from on the bundled stress: the baseline engine fills its KV region to a 1 %
-watermark and checks only a request's first prefill chunk at admission; a burst of long prompts
-(up to 16k tokens, a third of the KV region) then takes the last free units within seconds, and
-a step's workspace buffer finds no contiguous run: a fragmentation OOM. The crash fails the
-GPU's whole queue, the GPU rejects arrivals for 60 s, and the fleet router shifts its traffic
-onto the others, which can crash in turn (a cascade). kvguard holds admission headroom on busy
-nodes, sized to the larger of the policy's U_kv target and the largest prompt the fleet has
-sent lately (so whatever is admitted fits whole), compacts when the largest free run falls
-under a safety multiple of one step's need, and evicts when the trigger and the forecast agree;
-see ``kvguard.policy.engine``.
+Arms (vLLM-engine profiles, the default): the same requests run as ``vllm_default`` (the profile
+as shipped: vLLM's defaults), ``tuned_static`` (the best static knobs of the sweep on the training
+workloads, ``kvguard/ops/tuned_static.json``), ``baseline`` (the operator's knobs —
+``--gpu-memory-utilization``, 0.95 by default — without kvguard) and ``kvguard`` (the same knobs with
+the closed loop); ``--no-arms`` runs only the last two. Every arm serves the same share of requests
+asking for prompt logprobs (``--prompt-logprobs-frac``, 5 %: eval traffic), whose logits vLLM's
+profiling run does not count (vllm#5907, #5067): at 0.95 the caching allocator then runs out
+during such a request's prefill chunk and the worker dies with its queue. kvguard's allocator guard
+caps the per-step token budget on allocator pressure (``policy.engine``, point 6); it does not
+make 0.95 as safe as not setting it (see README.md, "Figures").
+
+On the seed's alternative profiles (``--profile llama3-8b-24gb``) the baseline fills its KV arena
+and admits on a request's first prefill chunk only; a burst of long prompts then takes the last
+free units and a step's workspace buffer finds no contiguous run (a fragmentation OOM that vLLM's
+uniform blocks and full-sequence admission do not have). There kvguard holds admission headroom,
+compacts and evicts (``kvguard.policy.engine``).
 """
 
 from __future__ import annotations
@@ -183,7 +189,8 @@ def demo(
     config: Path = typer.Option(None, "--config", help="Settings file (TOML/JSON)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
-    """Run a stressing workload twice — baseline engine, then kvguard's closed loop — and compare.
+    """Run a stressing workload through each arm (vLLM's defaults, the tuned static knobs, the
+    operator's knobs without and with kvguard's closed loop) and compare, counting every request.
 
     Exit status 3 when ledger writes could not be stored in Redis by the end of the run (an
     outage that outlasted it); the figures are printed all the same.
