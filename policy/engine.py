@@ -436,14 +436,18 @@ def trigger_reason(view: NodeView, strategy: Strategy, forecast_step_s: float,
 
     hard: U_kv above the threshold. soft: U_kv above the threshold *and* the prediction agrees
     (``risk``: the tick's own contiguity forecast, or the LSTM forecast crossing the threshold),
-    or P(OOM) from the LSTM alone. fragmentation: F_ext above the threshold. With predictive
+    or P(OOM) from the LSTM alone. fragmentation: F_ext above ``f_ext_trigger`` on the KV layer, or
+    on the caching allocator's (``alloc_f_ext``) when the node reports one. With predictive
     timing only the forecast within the horizon (or P(OOM)) triggers, and U_kv past 0.95 as a
     last resort.
     """
     th = strategy.threshold
     if strategy.trigger is Trigger.FRAGMENTATION:
-        if view.f_ext > th and view.free_units > 0:
-            return f"f_ext {view.f_ext:.2f} > {th}"
+        line = strategy.f_ext_trigger
+        if view.f_ext > line and view.free_units > 0:
+            return f"f_ext {view.f_ext:.2f} > {line}"
+        if view.alloc_reserved_bytes and view.alloc_f_ext > line:
+            return f"allocator f_ext {view.alloc_f_ext:.2f} > {line}"
         return None
     if view.p_oom is not None and strategy.use_prediction and view.p_oom >= strategy.p_oom_threshold:
         return f"P(OOM in 5 min) {view.p_oom:.2f} >= {strategy.p_oom_threshold}"

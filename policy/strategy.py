@@ -50,7 +50,9 @@ def _check_positive(name: str, value: float) -> None:
 class Strategy:
     """One point of the strategy space plus the numbers its options need.
 
-    ``threshold`` is the trigger's level: U_kv/Ψ for hard and soft, F_ext for fragmentation.
+    ``threshold`` is the hard and soft triggers' level (U_kv); ``f_ext_trigger`` the fragmentation
+    trigger's (F_ext of the layer where fragmentation lives: the KV arena on the seed's profiles, the
+    caching allocator on vLLM's uniform blocks; the seed's rule is F_ext > 0.6).
     ``target_psi``/``target_u_kv`` are where the planner brings a node back to once triggered,
     below the threshold so that one action buys headroom instead of firing again next tick
     (Ψ is judged at the fragmentation a compaction leaves, see ``policy.planner``).
@@ -70,6 +72,7 @@ class Strategy:
     target_psi: float = 1.0
     target_u_kv: float = 0.78
     fragmentation_threshold: float = 0.5  # F_ext above which compaction is considered at all
+    f_ext_trigger: float = 0.6  # the fragmentation trigger fires above this F_ext (the seed's 0.6)
     max_victims: int = 8
     max_compaction_moves: int = 256
     name: str = "custom"
@@ -80,6 +83,7 @@ class Strategy:
         _check_fraction("target_psi", self.target_psi)
         _check_fraction("target_u_kv", self.target_u_kv)
         _check_fraction("fragmentation_threshold", self.fragmentation_threshold)
+        _check_fraction("f_ext_trigger", self.f_ext_trigger)
         _check_positive("scan_interval_s", self.scan_interval_s)
         _check_positive("predictive_horizon_s", self.predictive_horizon_s)
         _check_positive("max_victims", self.max_victims)
