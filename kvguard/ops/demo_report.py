@@ -5,7 +5,9 @@
 * ``summary.json`` — what ``kvguard demo --json`` prints;
 * ``report.md`` — the comparison table, the headline ratios, the workload and what kvguard did;
 * ``timeline.png`` — U_kv, F_ext and Ψ per GPU over time, baseline left, closed loop right, with
-  every OOM marked;
+  every OOM marked; past ``SMALL_FLEET`` GPUs, where lines would be unreadable, heatmaps instead
+  (one row per GPU: U_kv, and P(OOM) when the run has a predictor; OOMs marked, the colour bar
+  marks the critical U_kv line);
 * ``outcomes.png`` — OOMs, preemptions, goodput and TTFT p99 side by side.
 
 matplotlib is imported inside the function (Agg backend), never at import time.
@@ -17,7 +19,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvguard.contracts.tiers import AlertThresholds
+
 ROWS = (("u_kv", 1, "U_kv"), ("f_ext", 2, "F_ext"), ("psi", 3, "Ψ"))
+SMALL_FLEET = 8  # more GPUs than this: heatmaps, not one line per GPU
+U_KV_CRITICAL = AlertThresholds().u_kv_critical  # the threshold tier's line, marked on the colour bar
 TABLE_KEYS = ("requests", "completed", "failed", "rejected", "unfinished", "ooms", "preemptions", "ttft_p50_s",
               "ttft_p99_s", "tpot_p99_s", "goodput_tokens_per_s", "downtime_s")
 
@@ -40,6 +46,9 @@ def _timeline(path: Path, baseline: Any, guarded: Any) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if max(len(baseline.series), len(guarded.series)) > SMALL_FLEET:
+        _heatmaps(plt, path, baseline, guarded)
+        return
     fig, axes = plt.subplots(len(ROWS), 2, figsize=(13, 8), sharex=True, squeeze=False)
     for col, run in enumerate((baseline, guarded)):
         for row, (_, index, label) in enumerate(ROWS):
@@ -60,6 +69,44 @@ def _timeline(path: Path, baseline: Any, guarded: Any) -> None:
             ax.grid(alpha=0.3)
         axes[-1][col].set_xlabel("simulated minutes")
     axes[0][0].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _heatmaps(plt, path: Path, baseline: Any, guarded: Any) -> None:
+    import numpy as np
+
+    runs = (("baseline engine", baseline), ("kvguard closed loop", guarded))
+    with_p = any(p[4] is not None for _, run in runs for pts in run.series.values() for p in pts)
+    rows = [("U_kv", 1)] + ([("P(OOM in 5 min)", 4)] if with_p else [])
+    nodes = sorted(set(baseline.series) | set(guarded.series))
+    fig, axes = plt.subplots(len(rows), 2, figsize=(13, 2.5 + 0.05 * len(nodes) * len(rows)), squeeze=False)
+    for col, (title, run) in enumerate(runs):
+        times = sorted({p[0] for pts in run.series.values() for p in pts})
+        index = {t: i for i, t in enumerate(times)}
+        for row, (label, k) in enumerate(rows):
+            ax = axes[row][col]
+            grid = np.full((len(nodes), max(1, len(times))), np.nan)
+            for r, node in enumerate(nodes):
+                for p in run.series.get(node, []):
+                    if p[k] is not None:
+                        grid[r, index[p[0]]] = p[k]
+            end = (times[-1] if times else 1.0) / 60
+            image = ax.imshow(grid, aspect="auto", interpolation="nearest", vmin=0.0, vmax=1.0, cmap="viridis",
+                              extent=(0.0, end, len(nodes) - 0.5, -0.5))
+            bar = fig.colorbar(image, ax=ax, fraction=0.03)
+            if k == 1:
+                bar.ax.axhline(U_KV_CRITICAL, color="white", lw=1.5)
+            for r, node in enumerate(nodes):
+                ooms = run.oom_times.get(node, [])
+                if ooms:
+                    ax.scatter([t / 60 for t in ooms], [r] * len(ooms), marker="x", color="red", s=12, zorder=3)
+            total = sum(len(v) for v in run.oom_times.values())
+            ax.set_title(f"{title}: {label} per GPU ({total} ticks with an OOM, red x)", fontsize=9)
+            ax.set_ylabel(f"{len(nodes)} GPUs")
+            ax.set_yticks([])
+        axes[-1][col].set_xlabel("simulated minutes")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
