@@ -61,7 +61,7 @@ def resolve_specs(preset: str | None, spec_file: Path | None):
 @app.command("dataset")
 def dataset_command(
     out: Path = typer.Option(Path("kvguard-dataset"), "--out", help="Output path; writes OUT.npz and OUT.json."),
-    preset: str = typer.Option("shipped", "--preset", help="Named set of runs (shipped, small, tiny)."),
+    preset: str = typer.Option("shipped", "--preset", help="Named set of runs (shipped, small, tiny: the seed engine; vllm: the default engine under the operator's knobs)."),
     spec_file: Path = typer.Option(None, "--spec", help="JSON list of run specs instead of a preset."),
     tick_s: float = typer.Option(10.0, "--tick-s", help="Tick length in seconds of event time."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest summary as JSON on stdout."),
