@@ -276,12 +276,12 @@ class SloRecorder:
     """
 
     def __init__(self, ledger: Any, *, threshold: float, horizon_s: float, thresholds: Any = None,
-                 confirm_with_acks: bool = False) -> None:
+                 confirm_with_acks: bool = False, max_nodes: int = 10_000) -> None:
         self.ledger = ledger
         self.threshold = float(threshold)
         self.thresholds = thresholds
         self.confirm_with_acks = confirm_with_acks
-        self.tracker = OutcomeTracker(self.threshold, horizon_s)
+        self.tracker = OutcomeTracker(self.threshold, horizon_s, max_nodes=max_nodes)
         self.counters = SloCounters()
         self._onset: dict[str, dict[str, int]] = {}
         self._last_ts: dict[str, int] = {}
@@ -290,9 +290,10 @@ class SloRecorder:
         self._logged_error = False
 
     def forget(self, node: str) -> None:
-        """Drop the per-node onset and ordering state of an idle node."""
+        """Drop the per-node onset, ordering and labelling state of an idle node."""
         self._onset.pop(node, None)
         self._last_ts.pop(node, None)
+        self.tracker.forget(node)
 
     # ticks ---------------------------------------------------------------------------------------
 

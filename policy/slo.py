@@ -302,24 +302,57 @@ class PredictionOutcome:
 class OutcomeTracker:
     """Labels predictions once their horizon has passed: the tick at t is positive if an OOM
     happened on its node in (t, t + horizon]. Feed ticks and OOMs in event time per node,
-    then ``resolve(now_ns)`` returns the outcomes whose horizon ended by ``now_ns``."""
+    then ``resolve(now_ns)`` returns the outcomes whose horizon ended by ``now_ns``.
 
-    def __init__(self, threshold: float, horizon_s: float = 300.0) -> None:
+    Per-node state is bounded: a node's OOMs are kept only while it has ticks waiting for their
+    label (an OOM cannot label a tick after it), a node is dropped once it has none, and at most
+    ``max_nodes`` nodes are held, the least recently seen evicted first (``nodes_evicted``; their
+    waiting ticks stay unlabelled). ``resolve`` walks the nodes only when the earliest horizon has
+    ended, so a fleet of N nodes costs O(N) per tick interval, not per tick."""
+
+    def __init__(self, threshold: float, horizon_s: float = 300.0, *, max_nodes: int = 10_000) -> None:
+        if max_nodes < 1:
+            raise SloConfigError("max_nodes", max_nodes, "an integer >= 1")
         self.threshold = threshold
         self.horizon_ns = int(horizon_s * NS_PER_S)
-        self._pending: dict[str, deque[tuple[int, bool]]] = {}
+        self.max_nodes = max_nodes
+        self.nodes_evicted = 0
+        self._pending: dict[str, deque[tuple[int, bool]]] = {}  # least recently seen first
         self._ooms: dict[str, deque[int]] = {}
+        self._next_due_ns: int | None = None  # no waiting tick's horizon ends before this
 
     def observe_tick(self, node: str, ts_ns: int, p_oom: float | None) -> None:
         if p_oom is None:
             return
-        self._pending.setdefault(node, deque()).append((ts_ns, p_oom >= self.threshold))
+        pending = self._pending.pop(node, None)
+        self._pending[node] = pending = deque() if pending is None else pending
+        pending.append((ts_ns, p_oom >= self.threshold))
+        due = ts_ns + self.horizon_ns
+        if self._next_due_ns is None or due < self._next_due_ns:
+            self._next_due_ns = due
+        while len(self._pending) > self.max_nodes:
+            self.forget(next(iter(self._pending)))
+            self.nodes_evicted += 1
 
     def observe_oom(self, node: str, ts_ns: int) -> None:
-        self._ooms.setdefault(node, deque()).append(ts_ns)
+        if node in self._pending:  # only a tick already waiting can be labelled by it
+            self._ooms.setdefault(node, deque()).append(ts_ns)
+
+    def forget(self, node: str) -> None:
+        """Drop a node's waiting ticks and OOMs (an idle node; they stay unlabelled)."""
+        self._pending.pop(node, None)
+        self._ooms.pop(node, None)
+
+    @property
+    def nodes(self) -> int:
+        return len(self._pending)
 
     def resolve(self, now_ns: int) -> list[PredictionOutcome]:
+        if self._next_due_ns is None or now_ns < self._next_due_ns:
+            return []
         outcomes = []
+        done = []
+        next_due = None
         for node, pending in self._pending.items():
             ooms = self._ooms.get(node, deque())
             while pending and pending[0][0] + self.horizon_ns <= now_ns:
@@ -328,4 +361,12 @@ class OutcomeTracker:
                     ooms.popleft()
                 actual = bool(ooms) and ooms[0] <= ts_ns + self.horizon_ns
                 outcomes.append(PredictionOutcome(node, ts_ns, predicted, actual))
+            if pending:
+                due = pending[0][0] + self.horizon_ns
+                next_due = due if next_due is None or due < next_due else next_due
+            else:
+                done.append(node)
+        for node in done:
+            self.forget(node)
+        self._next_due_ns = next_due
         return outcomes

@@ -11,11 +11,12 @@ silence skips ahead (counted in ``NodeState.skipped_ticks``). ``flush(now_ns)`` 
 boundary is ≤ ``now_ns`` for nodes whose events stopped.
 
 Batches of one node must come in ``(epoch, seq)`` order: a repeated or older ``seq`` is a redelivery
-and is skipped (counted), and so is a batch of an older ``epoch``; a ``seq`` gap marks the mirror
-unsynced until the next SNAPSHOT with state. A node's first batch with ``seq == 0`` starts from an
-empty pool (synced). A newer ``epoch`` is a producer restart (its simulated or engine clock may
-start over): the node starts over as if first seen, with a fresh mirror, tick clock, slope window,
-feature history and predictor state, its alert timers rebased (counted in ``NodeState.restarts``).
+and is skipped (counted), and so is a batch of an older ``epoch`` (than a confirmed one, below);
+a ``seq`` gap marks the mirror unsynced until the next SNAPSHOT with state. A node's first batch
+with ``seq == 0`` starts from an empty pool (synced). A newer ``epoch`` is a producer restart (its
+simulated or engine clock may start over): the node starts over as if first seen, with a fresh
+mirror, tick clock, slope window, feature history and predictor state, its alert timers rebased
+(counted in ``NodeState.restarts``).
 
 Hostile or broken input (``process_many``): each node's batches of one call are put in
 ``(epoch, seq)`` order and redeliveries dropped before anything is applied, so a duplicated batch,
@@ -23,8 +24,20 @@ or batches reordered within one call, give the ticks of the clean stream. A batc
 before any state changes, when it fails ``kvguard.wire.validate``'s checks against the
 node's region, or when its epoch jumps more than ``max_epoch_jump`` past the node's (one record
 with epoch 2^62 would otherwise make every later batch of the node "older", silencing it for
-good). A batch whose application raises is rejected too, and its node marked unsynced (its state
-may be partly applied; the next SNAPSHOT with state repairs it). Rejections are counted, logged
+good). A node's epoch counts as confirmed once a second batch of it arrives: while it is not, a
+batch of an older epoch is not a redelivery but a sign the newer one was bogus, and the node
+starts over at the older epoch (counted in ``CoreCounters.epochs_retracted``), so a node's first
+batch with epoch 2^62 cannot silence it either. A real restart is taken at its first batch.
+
+Event time is bounded the same way: a batch whose event time runs more than ``max_ts_skew_s``
+ahead of the node's clock (its newest event so far), or jumps that far inside the batch, is
+rejected (a single batch far in the future would otherwise move the tick clock there, and every
+later batch would look "in the past" and tick no more); the next batch continuing from the jumped
+time confirms it (a GPU idle that long), and is applied. A node whose batches run more than
+``max_ts_skew_s`` behind its clock twice in a row had its clock set by a bogus batch (its first,
+say): its tick clock starts over at the second (``CoreCounters.clock_rebases``). A batch whose
+application raises is rejected too, and its node marked unsynced (its state may be partly
+applied; the next SNAPSHOT with state repairs it). Rejections are counted, logged
 and listed in ``StreamCore.rejected`` (the latest call's) for the caller's DLQ. Per-node state
 is capped at ``max_nodes`` (the least recently seen node is evicted first); idle nodes are
 evicted by the caller's clock through ``forget`` (wall time: event time differs per node).
@@ -84,6 +97,9 @@ class StreamConfig:
     # a newer epoch more than this far ahead of the node's is rejected, not taken as a restart;
     # 2^61 lets a seed epoch (0, 1, …) move on to a wall-clock one (time.time_ns())
     max_epoch_jump: int = 1 << 61
+    # how far one node's event time may jump past its clock before a second batch confirms it; above
+    # the producers' snapshot interval (an idle GPU still sends one a minute) and max_idle_ticks' span
+    max_ts_skew_s: float = 3600.0
     max_nodes: int = 10_000  # per-node states held; past it the least recently seen is evicted
     limits: WireLimits = DEFAULT_LIMITS
 
@@ -104,10 +120,16 @@ class StreamConfig:
             raise StreamConfigError("max_epoch_jump", self.max_epoch_jump, ">= 1")
         if self.max_nodes < 1:
             raise StreamConfigError("max_nodes", self.max_nodes, ">= 1")
+        if not self.max_ts_skew_s >= self.tick_s:
+            raise StreamConfigError("max_ts_skew_s", self.max_ts_skew_s, ">= tick_s")
 
     @property
     def tick_ns(self) -> int:
         return int(round(self.tick_s * NS_PER_S))
+
+    @property
+    def max_ts_skew_ns(self) -> int:
+        return int(round(self.max_ts_skew_s * NS_PER_S))
 
     @classmethod
     def from_settings(cls, streams, predictor=None, **overrides) -> "StreamConfig":
@@ -122,7 +144,7 @@ class StreamConfig:
         values = dict(tick_s=streams.tick_s, slope_window_s=streams.slope_window_s, alpha=streams.alpha,
                       beta=streams.beta, thresholds=thresholds,
                       reserved_frac=streams.reserved_frac if "reserved_frac" in explicit else None)
-        for name in ("max_epoch_jump", "max_nodes"):
+        for name in ("max_epoch_jump", "max_ts_skew_s", "max_nodes"):
             if hasattr(streams, name):
                 values[name] = getattr(streams, name)
         values["limits"] = WireLimits.from_settings(streams)
@@ -173,6 +195,7 @@ class NodeState:
         self.config = config
         self.mirror: AllocatorMirror | None = None
         self.epoch: int | None = None
+        self.epoch_confirmed = False  # a second batch of ``epoch`` came: an older epoch is a redelivery
         self.seq: int | None = None
         self.next_boundary_ns: int | None = None
         self.max_ts_ns: int | None = None
@@ -188,6 +211,9 @@ class NodeState:
         self.last_oom_ns: int | None = None  # the node's last OOM event (for ``Tick.s_since_oom``)
         self.resets = 0  # bumped whenever the mirror may have lost events: the predictor's state is stale
         self.restarts = 0  # producer restarts seen (a batch of a newer epoch)
+        # the last batch off the node's clock (see the module docstring): its newest event time,
+        # its seq and whether it ran ahead (+1, rejected) or behind (-1, applied)
+        self.off_clock: OffClock | None = None
 
     # ---------------------------------------------------------------- batches
     def accept(self, batch: EventBatch, last_seq: int | None = None) -> list[Tick]:
@@ -195,8 +221,9 @@ class NodeState:
         ``last_seq``: the batch is several contiguous batches merged, ``batch.seq`` the first."""
         if not self._check_sequence(batch):
             return []
-        if last_seq is not None:
+        if last_seq is not None and last_seq != batch.seq:
             self.seq = last_seq
+            self.epoch_confirmed = True  # the merged batches after the first are of its epoch
         if self.mirror is None:
             self.dropped_without_geometry += 1
             log.warning("node %s: batch seq=%d dropped, no geometry yet", self.node, batch.seq)
@@ -239,6 +266,8 @@ class NodeState:
     def _check_sequence(self, batch: EventBatch) -> bool:
         if self.epoch is not None and batch.epoch > self.epoch:
             self._restart(batch)
+        elif self.epoch is not None and batch.epoch < self.epoch and not self.epoch_confirmed:
+            self._restart(batch, retracted=True)
         geometry = batch.geometry
         if geometry is not None and (self.mirror is None or self.mirror.geometry != geometry):
             self.mirror = AllocatorMirror(geometry, reserved_frac=self.config.reserved_frac,
@@ -259,30 +288,51 @@ class NodeState:
             elif not first and batch.seq != self.seq + 1:
                 self.gaps += 1
                 self._unsynced(f"node {self.node}: seq gap {self.seq} -> {batch.seq}")
+        self.epoch_confirmed = not first
         self.epoch, self.seq = batch.epoch, batch.seq
         return True
 
-    def _restart(self, batch: EventBatch) -> None:
+    def _restart(self, batch: EventBatch, *, retracted: bool = False) -> None:
         """A producer restart (a newer epoch): forget everything of the old run except the counters,
         so the batch is handled like the node's first one. The geometry is kept for a restart
-        batch without one (a fresh, empty pool then; unsynced unless the batch has ``seq == 0``)."""
+        batch without one (a fresh, empty pool then; unsynced unless the batch has ``seq == 0``).
+        ``retracted``: the batch's epoch is older than an unconfirmed one, taken as bogus."""
         old_epoch = self.epoch
         geometry = self.mirror.geometry if self.mirror is not None and batch.geometry is None else None
         self.mirror = None if geometry is None else AllocatorMirror(
             geometry, reserved_frac=self.config.reserved_frac, alpha=self.config.alpha, beta=self.config.beta)
         self.epoch = self.seq = None
         self.next_boundary_ns = self.max_ts_ns = None
+        self.off_clock = None
         self.slope_points.clear()
         self.features = FeatureHistory(self.config.window_ticks)
         self._mark = Counts.zero()
         self.events_since_tick = 0
         self.last_oom_ns = None
-        for rule_state in self.alerts.states.values():  # timers of the old clock; firing stays firing
-            rule_state.pending_since = rule_state.clear_since = None
+        self._rebase_alert_timers()
         self.restarts += 1
         self.resets += 1  # the predictor forgets the node
-        log.warning("node %s: producer restart, epoch %s -> %d (seq %d): state starts over",
-                    self.node, old_epoch, batch.epoch, batch.seq)
+        if retracted:
+            log.warning("node %s: epoch %s was seen in one batch only and epoch %d goes on (seq %d): "
+                        "%s taken as bogus, state starts over", self.node, old_epoch, batch.epoch, batch.seq,
+                        old_epoch)
+        else:
+            log.warning("node %s: producer restart, epoch %s -> %d (seq %d): state starts over",
+                        self.node, old_epoch, batch.epoch, batch.seq)
+
+    def rebase_clock(self) -> None:
+        """The node's tick clock was set by a bogus event time: it starts over at the next batch
+        (the mirror, counters and feature history stay)."""
+        log.warning("node %s: event time ran behind the node's clock (%s ns) twice: the tick clock starts over",
+                    self.node, self.max_ts_ns)
+        self.next_boundary_ns = self.max_ts_ns = None
+        self.off_clock = None
+        self.slope_points.clear()
+        self._rebase_alert_timers()
+
+    def _rebase_alert_timers(self) -> None:
+        for rule_state in self.alerts.states.values():  # timers of the old clock; firing stays firing
+            rule_state.pending_since = rule_state.clear_since = None
 
     def _unsynced(self, reason: str) -> None:
         self.mirror.mark_unsynced(reason)
@@ -418,7 +468,8 @@ class NodeState:
     def to_bytes(self) -> bytes:
         """Compact, self-contained state (npz): the changelog value of the Faust table."""
         header = {
-            "node": self.node, "epoch": self.epoch, "seq": self.seq,
+            "node": self.node, "epoch": self.epoch, "epoch_confirmed": self.epoch_confirmed, "seq": self.seq,
+            "off_clock": None if self.off_clock is None else list(self.off_clock),
             "next_boundary_ns": self.next_boundary_ns, "max_ts_ns": self.max_ts_ns,
             "slope_points": list(self.slope_points), "features_count": self.features.count,
             "alerts": self.alerts.state_list(), "mark": list(self._mark),
@@ -443,6 +494,8 @@ class NodeState:
         h = json.loads(arrays["header"].tobytes().decode())
         st = cls(h["node"], config, with_predictor=with_predictor)
         st.epoch, st.seq = h["epoch"], h["seq"]
+        st.epoch_confirmed = bool(h.get("epoch_confirmed", True))  # checkpoints of before: as it was
+        st.off_clock = None if h.get("off_clock") is None else OffClock(*h["off_clock"])
         st.next_boundary_ns, st.max_ts_ns = h["next_boundary_ns"], h["max_ts_ns"]
         st.slope_points = deque((int(t), float(u)) for t, u in h["slope_points"])
         if arrays["features"].shape == st.features.buffer.shape:
@@ -463,6 +516,14 @@ class NodeState:
         return st
 
 
+class OffClock(NamedTuple):
+    """A batch whose event time was more than ``max_ts_skew_s`` off its node's clock."""
+
+    ts_ns: int  # its newest event time
+    seq: int
+    ahead: bool  # True: ahead (rejected); False: behind (applied)
+
+
 class Rejection(NamedTuple):
     """A batch the core did not apply: ``reason`` is a DLQ reason (``invalid``, ``processing_error``)."""
 
@@ -475,6 +536,9 @@ class Rejection(NamedTuple):
 class CoreCounters:
     batches_rejected: int = 0  # failed validation against the node's region (before any state change)
     epoch_jumps_rejected: int = 0  # epoch more than max_epoch_jump ahead of the node's
+    epochs_retracted: int = 0  # an older epoch went on after one batch of a newer one: that one was bogus
+    ts_jumps_rejected: int = 0  # event time more than max_ts_skew_s ahead of the node's clock, unconfirmed
+    clock_rebases: int = 0  # a node's clock set by a bogus event time started over
     batches_failed: int = 0  # applying them raised; the node was marked unsynced
     duplicates_dropped: int = 0  # redeliveries dropped before they were applied
     nodes_evicted_cap: int = 0  # the least recently seen node, to stay within max_nodes
@@ -568,7 +632,10 @@ class StreamCore:
         for node, node_batches in by_node.items():
             st = self.node_state(node)
             current = st.mirror.geometry if st.mirror is not None else None
-            for group in _contiguous_groups(self._admit(st, node_batches), current):
+            rebase: set[int] = set()
+            for group in _contiguous_groups(self._admit(st, node_batches, rebase), current, rebase):
+                if id(group[0]) in rebase:
+                    st.rebase_clock()
                 try:
                     ticks = self._apply_group(st, group)
                 except Exception as err:  # noqa: BLE001 - one node's bad input must not stop the others
@@ -607,19 +674,22 @@ class StreamCore:
                             state=last.state, events=events)
         return st.accept(merged, last_seq=last.seq)
 
-    def _admit(self, st: NodeState, batches: list[EventBatch]) -> list[EventBatch]:
+    def _admit(self, st: NodeState, batches: list[EventBatch], rebase: set[int]) -> list[EventBatch]:
         """The node's batches to apply, in ``(epoch, seq)`` order: redeliveries (at or before the
-        node's position, or repeated within the call) are dropped and counted as duplicates;
-        batches whose geometry or state dump is impossible (``kvguard.wire.validate``), or whose
-        epoch jumps past ``max_epoch_jump``, are rejected (their events are checked per group, in
-        ``_apply_group``). Nothing of the node's state changes here."""
+        node's position, repeated within the call, or of an older epoch than a confirmed one) are
+        dropped and counted as duplicates; batches whose geometry or state dump is impossible
+        (``kvguard.wire.validate``), whose epoch jumps past ``max_epoch_jump`` or whose event time
+        jumps past ``max_ts_skew_s`` unconfirmed are rejected (their events are checked per group,
+        in ``_apply_group``). ``rebase`` gets the ids of batches before which the node's clock
+        starts over. Nothing of the node's state changes here but its off-clock mark."""
         if len(batches) > 1:
             batches = sorted(batches, key=lambda b: (b.epoch, b.seq))
-        epoch, seq = st.epoch, st.seq
+        epoch, seq, confirmed, clock, off = st.epoch, st.seq, st.epoch_confirmed, st.max_ts_ns, st.off_clock
         geometry = st.mirror.geometry if st.mirror is not None else None
         admitted = []
         for b in batches:
-            if epoch is not None and (b.epoch < epoch or (b.epoch == epoch and b.seq <= seq)):
+            older = epoch is not None and b.epoch < epoch
+            if epoch is not None and ((older and confirmed) or (b.epoch == epoch and b.seq <= seq)):
                 st.duplicates += 1
                 self.counters.duplicates_dropped += 1
                 continue
@@ -639,8 +709,28 @@ class StreamCore:
             except InvalidRecord as err:
                 self._reject(b, err.detail)
                 continue
+            if epoch is None or b.epoch != epoch:  # first batch, restart or retraction: a new clock
+                clock = off = None
+            verdict, newest, off = _clock_verdict(b, clock, off, self.config.max_ts_skew_ns)
+            if verdict == "reject":
+                self.counters.ts_jumps_rejected += 1
+                self._reject(b, f"ts_ns runs to {newest}, more than streams.max_ts_skew_s "
+                                f"({self.config.max_ts_skew_s:g} s) past the node's clock ({clock} ns) or its own "
+                                "earlier events: a jump of event time, until a later batch going on from it "
+                                "confirms it")
+                continue
+            if verdict == "rebase":
+                self.counters.clock_rebases += 1
+                rebase.add(id(b))
+                clock = None
+            if older:
+                self.counters.epochs_retracted += 1
+            if newest is not None:
+                clock = newest if clock is None else max(clock, newest)
             admitted.append(b)
+            confirmed = epoch is not None and b.epoch == epoch
             epoch, seq, geometry = b.epoch, b.seq, region
+        st.off_clock = off
         return admitted
 
     def _reject(self, batch: EventBatch, detail: str, reason: str = "invalid") -> None:
@@ -741,12 +831,40 @@ class StreamCore:
         return ticks, alerts
 
 
-def _contiguous_groups(batches: list[EventBatch], geometry: Geometry | None) -> list[list[EventBatch]]:
+def _clock_verdict(batch: EventBatch, clock: int | None, off: OffClock | None,
+                   skew_ns: int) -> tuple[str, int | None, OffClock | None]:
+    """Where a batch's event time stands against its node's ``clock`` (newest event time so far):
+    ``("ok" | "reject" | "rebase", its newest event time, the node's off-clock mark after it)``.
+    Ahead by more than ``skew_ns`` (from the clock or inside the batch): rejected, unless it goes
+    on from the last rejected batch (a later seq within ``skew_ns`` of its time). Behind by more
+    than ``skew_ns``: applied (its times are clamped to the clock), and a second such batch going
+    on from the first rebases the clock. Times outside 0..2^62 are left to ``check_events``."""
+    ts = batch.events["ts_ns"]
+    if len(ts) == 0 or int(ts.min()) < 0 or int(ts.max()) > _INT62:
+        return "ok", None, off
+    run = np.maximum.accumulate(ts)
+    first, newest = int(run[0]), int(run[-1])
+    inner = int(np.diff(run).max()) if len(run) > 1 else 0
+    goes_on = off is not None and batch.seq > off.seq and abs(first - off.ts_ns) <= skew_ns and inner <= skew_ns
+    if inner > skew_ns or (clock is not None and first - clock > skew_ns):
+        if off is not None and off.ahead and goes_on:
+            return "ok", newest, None
+        return "reject", newest, OffClock(newest, batch.seq, True)
+    if clock is not None and clock - newest > skew_ns:
+        if off is not None and not off.ahead and goes_on:
+            return "rebase", newest, None
+        return "ok", newest, OffClock(newest, batch.seq, False)
+    return "ok", newest, None
+
+
+def _contiguous_groups(batches: list[EventBatch], geometry: Geometry | None,
+                       breaks: set[int] = frozenset()) -> list[list[EventBatch]]:
     """Split one node's batches into runs that can be applied as one: each next batch continues
-    the previous (same epoch, seq + 1), brings no new geometry, and no state precedes it."""
+    the previous (same epoch, seq + 1), brings no new geometry, and no state precedes it.
+    A batch whose id is in ``breaks`` starts a run."""
     groups: list[list[EventBatch]] = []
     for b in batches:
-        if groups:
+        if groups and id(b) not in breaks:
             prev = groups[-1][-1]
             known = (geometry, groups[-1][0].geometry)
             if (b.epoch == prev.epoch and b.seq == prev.seq + 1 and prev.state is None

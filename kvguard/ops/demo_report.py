@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvguard.contracts.tiers import AlertThresholds
 
 ROWS = (("u_kv", 1, "U_kv"), ("f_ext", 2, "F_ext"), ("psi", 3, "Ψ"))
@@ -75,8 +77,6 @@ def _timeline(path: Path, baseline: Any, guarded: Any) -> None:
 
 
 def _heatmaps(plt, path: Path, baseline: Any, guarded: Any) -> None:
-    import numpy as np
-
     runs = (("baseline engine", baseline), ("kvguard closed loop", guarded))
     with_p = any(p[4] is not None for _, run in runs for pts in run.series.values() for p in pts)
     rows = [("U_kv", 1)] + ([("P(OOM in 5 min)", 4)] if with_p else [])

@@ -103,7 +103,7 @@ class Graph:
         thresholds = self.stream_config().thresholds
         return SloRecorder(slo_ledger, threshold=thresholds.p_oom, thresholds=thresholds,
                            horizon_s=SloConfig.from_settings(self.settings).horizon_s,
-                           confirm_with_acks=confirm_with_acks)
+                           confirm_with_acks=confirm_with_acks, max_nodes=self.settings.policy.max_nodes)
 
     def policy_service(self, *, bus: Any = None, ledger: Any = None, slo: Any = None):
         """``slo``: an ``SloRecorder`` (default: one over the graph's SLO ledger, if any)."""
