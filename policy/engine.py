@@ -130,6 +130,7 @@ class EngineCounters:
     stale_ticks: int = 0  # duplicate or out-of-order ticks skipped (a redelivery after recovery)
     restarts: int = 0  # ticks of a newer producer epoch: the node restarted, its policy state started over
     epoch_jumps_rejected: int = 0  # ticks whose epoch was more than max_epoch_jump ahead of the node's
+    epochs_retracted: int = 0  # a newer epoch seen on one tick only, then the older one again: taken back
     nodes_evicted_cap: int = 0  # least recently seen nodes dropped to stay within max_nodes
     nodes_evicted_idle: int = 0  # nodes dropped by the service after its idle timeout (``forget``)
 
@@ -149,6 +150,7 @@ class PolicyEngine:
         self._calm: dict[str, int] = {}
         self._last_ts: dict[str, int] = {}  # node -> ts_ns of the last tick decided on (least recent first)
         self._epoch: dict[str, int] = {}  # node -> producer epoch of the last tick decided on
+        self._confirmed: dict[str, bool] = {}  # node -> its epoch was seen on a second tick
         self._prompt_max: dict[int, int] = {}  # minute of event time -> largest prompt seen (units)
         self._cap: dict[str, tuple[int, int]] = {}  # node -> (cap sent, ts_ns it was sent); not sent: absent
         self._cap_calm: dict[str, int] = {}  # node -> ticks since allocator pressure (kept over restarts)
@@ -166,7 +168,10 @@ class PolicyEngine:
         calm tick twice. Its decision carries no commands and ``stale=True``. A tick of a newer
         epoch is a restarted node (its clock may start over at 0): the node's policy state
         (mode, last tick, scan clock, recent victims, admission hold) starts over, counted in
-        ``restarts``. A ``NodeView`` carries no epoch: it is taken as the node's current one.
+        ``restarts``. A newer epoch seen on one tick only, followed by a tick of the older one, was
+        bogus (one record must not silence a node): it is taken back (``epochs_retracted``) and the
+        node goes on in the older epoch. A ``NodeView`` carries no epoch: it is taken as the node's
+        current one.
         """
         view = tick if isinstance(tick, NodeView) else view_from_tick(
             tick, dynamic_units=self.config.dynamic_units, unit_tokens=self.config.unit_tokens)
@@ -180,8 +185,15 @@ class PolicyEngine:
             return Decision(view.node, view.ts_ns, mode, self.strategy_for(mode).variant, stale=True, rejected=True,
                             reason=f"epoch {epoch} is {epoch - known} past the node's epoch {known}, more than "
                                    f"policy.max_epoch_jump ({self.config.max_epoch_jump}): not taken as a restart")
+        if known is not None and epoch < known and not self._confirmed.get(view.node, True):
+            # the newer epoch was seen on one tick only and an older one goes on: that tick was bogus
+            # (one record must not silence a node); start over on the older epoch
+            self.counters.epochs_retracted += 1
+            self._restart(view.node, count=False)
+            known = None
         if known is not None and epoch > known:
             self._restart(view.node)
+        self._confirmed[view.node] = known is not None and epoch == known
         last = self._last_ts.get(view.node)
         older_epoch = known is not None and epoch < known
         if older_epoch or (last is not None and view.ts_ns <= last):
@@ -240,6 +252,7 @@ class PolicyEngine:
             return False
         self._restart(node, count=False)
         self._epoch.pop(node, None)
+        self._confirmed.pop(node, None)
         self._cap_calm.pop(node, None)
         if idle:
             self.counters.nodes_evicted_idle += 1

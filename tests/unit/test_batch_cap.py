@@ -130,3 +130,19 @@ def test_vllm_nodes_get_no_cache_reclaim_their_cached_blocks_already_count_as_fr
         view = replace(full, unit_tokens=config.unit_tokens)
         reclaimed[profile] = plan(view, DEFAULT, config.planner, config.cost, reason="t").reclaim_units
     assert reclaimed == {VLLM: 0, "llama3-8b-24gb": 400}  # the seed arena: cached pages go first
+
+
+def test_one_tick_of_a_bogus_epoch_does_not_silence_the_node():
+    from tests.unit.test_alerts import tick as alert_tick
+
+    def tick(ts_s: int, epoch: int):
+        return replace(alert_tick(ts_s, u_kv=0.3, node="sim-0/gpu0"), epoch=epoch)
+
+    policy = guard_engine()
+    assert not policy.decide(tick(10, 1 << 60)).stale  # a first tick with an absurd epoch: taken, unconfirmed
+    real = [policy.decide(tick(t, 7)) for t in (20, 30, 40)]
+    assert [d.stale for d in real] == [False, False, False] and policy.counters.epochs_retracted == 1
+    assert policy.decide(tick(50, 8)).stale is False and policy.counters.restarts == 1  # a real restart
+    assert policy.decide(tick(60, 8)).stale is False  # seen twice: confirmed
+    assert policy.decide(tick(70, 7)).stale is True  # the old epoch late: stale, not a retraction
+    assert policy.counters.epochs_retracted == 1
