@@ -252,9 +252,13 @@ class SloCounters:
     evictions: int = 0
     outcomes: int = 0
     errors: int = 0
+    pending_dropped: int = 0  # unacked commands or unfinished evictions dropped past MAX_PENDING (oldest first)
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
+
+
+MAX_PENDING = 100_000  # commands awaiting an ack and evicted requests awaiting their FINISH, each
 
 
 class SloRecorder:
@@ -286,7 +290,7 @@ class SloRecorder:
         self._onset: dict[str, dict[str, int]] = {}
         self._last_ts: dict[str, int] = {}
         self._issued: dict[str, tuple[str, int, tuple[int, ...]]] = {}  # command id -> (node, ts, reqs)
-        self._evicted: set[tuple[str, int]] = set()
+        self._evicted: dict[tuple[str, int], None] = {}  # insertion-ordered: the oldest is dropped first
         self._logged_error = False
 
     def forget(self, node: str) -> None:
@@ -342,6 +346,7 @@ class SloRecorder:
             reqs = tuple(int(t.req) for t in cmd.targets)
             if self.confirm_with_acks:
                 self._issued[cmd.id] = (cmd.node, cmd.issued_at_ns, reqs)
+                self._bound(self._issued)
             else:
                 self._record_evictions(cmd.node, cmd.issued_at_ns, reqs)
 
@@ -352,7 +357,8 @@ class SloRecorder:
 
     def _record_evictions(self, node: str, ts_ns: int, reqs: tuple[int, ...]) -> None:
         for req in reqs:
-            self._evicted.add((node, req))
+            self._evicted[(node, req)] = None
+            self._bound(self._evicted)
             if self._call(self.ledger.record_eviction, node, str(req), ts_ns):
                 self.counters.evictions += 1
 
@@ -369,10 +375,16 @@ class SloRecorder:
             for row in finish:
                 key = (batch.node, int(row["req"]))
                 if key in self._evicted:
-                    self._evicted.discard(key)
+                    del self._evicted[key]
                     if self._call(self.ledger.record_eviction_outcome, batch.node, str(key[1]),
                                   int(row["flags"]) == int(Outcome.COMPLETED)):
                         self.counters.outcomes += 1
+
+    def _bound(self, pending: dict) -> None:
+        """A command never acked or an evicted request whose FINISH never comes must not grow memory."""
+        while len(pending) > MAX_PENDING:
+            del pending[next(iter(pending))]
+            self.counters.pending_dropped += 1
 
     def _call(self, fn: Any, *args: Any) -> bool:
         try:
