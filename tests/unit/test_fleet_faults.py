@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from kvguard.contracts.events import EventBatch
 from kvguard.contracts.units import NS_PER_S
-from kvguard.policy.slo import OutcomeTracker, PredictionOutcome, SloConfigError
+from kvguard.policy import service
+from kvguard.policy.slo import MemorySloLedger, OutcomeTracker, PredictionOutcome, SloConfigError
 from kvguard.streams.core import NodeState, StreamConfig, StreamConfigError, StreamCore
 from tests.unit.test_stream_hostile import two_node_stream
 
@@ -206,12 +207,8 @@ def test_the_outcome_tracker_labels_every_tick_as_the_definition_says(streams, m
 
 
 def test_the_slo_recorders_pending_commands_and_evictions_are_bounded(monkeypatch):
-    from kvguard.policy import service
-    from kvguard.policy.service import SloRecorder
-    from kvguard.policy.slo import MemorySloLedger
-
     monkeypatch.setattr(service, "MAX_PENDING", 3)
-    recorder = SloRecorder(MemorySloLedger(), threshold=0.5, horizon_s=300.0)
+    recorder = service.SloRecorder(MemorySloLedger(), threshold=0.5, horizon_s=300.0)
     recorder._record_evictions("n/gpu0", 10**9, tuple(range(10)))  # evicted requests whose FINISH never comes
     assert list(recorder._evicted) == [("n/gpu0", 7), ("n/gpu0", 8), ("n/gpu0", 9)]
     assert recorder.counters.pending_dropped == 7
