@@ -187,7 +187,9 @@ class Fleet:
             goodput_tokens_per_s=round(sum(e.goodput_tokens for e in self.engines) / sim_s, 3) if sim_s > 0 else 0.0,
             downtime_s=round(sum(s.downtime_s for s in sims), 3), sim_seconds=round(sim_s, 3),
             events=sum(s.events for s in sims),
-            **slo_fields([r for e in self.engines for r in e.served], sum(s.requests for s in sims), sim_s),
+            # every request routed counts, also one an engine had not taken in when the run ended
+            **slo_fields([r for e in self.engines for r in e.served],
+                         max(sum(s.requests for s in sims), sum(self.routed)), sim_s),
         )
 
     def per_gpu(self) -> list[dict]:
