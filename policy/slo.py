@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping, Protocol
 
 from kvguard.contracts.tiers import LEAD_TIME_SIGNALS
 from kvguard.contracts.units import NS_PER_S
-from kvguard.policy.budget import iso_week, parse_week, shift_week
+from kvguard.policy.budget import iso_week, parse_week
 
 TIERS = LEAD_TIME_SIGNALS
 PENDING, COMPLETED, FAILED = "pending", "completed", "failed"
@@ -278,9 +278,11 @@ class MemorySloLedger:
         week = self._weeks.get(label)
         if week is None:
             week = self._weeks[label] = _SloWeek()
-            oldest_kept = shift_week(max(self._weeks), -self.config.retention_weeks)
-            for old in [w for w in self._weeks if w < oldest_kept and w != label]:
-                del self._weeks[old]
+            # keep the retention_weeks + 1 newest weeks that hold records: counted, not measured from
+            # the newest week, so one record of a far-future week cannot expire every real one
+            for old in sorted(self._weeks)[: max(0, len(self._weeks) - (self.config.retention_weeks + 1))]:
+                if old != label:
+                    del self._weeks[old]
             self._eviction_week = {k: w for k, w in self._eviction_week.items() if w in self._weeks}
         return week
 

@@ -212,3 +212,15 @@ def test_the_slo_recorders_pending_commands_and_evictions_are_bounded(monkeypatc
     recorder._record_evictions("n/gpu0", 10**9, tuple(range(10)))  # evicted requests whose FINISH never comes
     assert list(recorder._evicted) == [("n/gpu0", 7), ("n/gpu0", 8), ("n/gpu0", 9)]
     assert recorder.counters.pending_dropped == 7
+
+
+def test_one_far_future_record_does_not_expire_the_real_weeks_of_the_slo_ledger():
+    week_ns = 7 * 86_400 * NS_PER_S
+    ledger = MemorySloLedger()
+    for w in range(3):
+        ledger.record_oom("n/gpu0", w * week_ns + NS_PER_S, {})
+    ledger.record_oom("n/gpu0", 1 << 62, {})  # year ~2116
+    assert len(ledger.weeks()) == 4  # the real weeks are still there
+    for w in range(3, 12):
+        ledger.record_oom("n/gpu0", w * week_ns + NS_PER_S, {})
+    assert len(ledger.weeks()) == ledger.config.retention_weeks + 1  # still bounded
