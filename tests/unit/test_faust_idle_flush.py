@@ -2,7 +2,6 @@
 tick published once it has been silent for ``streams.idle_flush_s`` of wall time (issue 16).
 No broker: the worker's logic with small working fakes and a hand-driven clock."""
 
-import asyncio
 
 import orjson
 import pytest
@@ -12,32 +11,10 @@ from kvguard.streams.core import NodeState, StreamConfig, StreamCore
 from kvguard.streams.outputs import encode_tick
 from kvguard.wire.schemas import batch_headers, encode_batch
 from kvguard.wire.settings import ConfigError, Settings
+from tests.unit.test_hostile_services import FakeTable, FakeTopic  # the worker's small working fakes
 from tests.unit.test_stream_hostile import two_node_stream
 
 IDLE_S = 5.0
-
-
-class FakeTopic:
-    def __init__(self):
-        self.sent = []
-
-    async def send(self, key, value, headers=None):
-        self.sent.append((key, value))
-        future = asyncio.get_running_loop().create_future()
-        future.set_result(None)
-        return future
-
-
-class FakeTable:
-    def __init__(self):
-        self.data = {}
-        self.changelog = []
-
-    def get(self, key):
-        return self.data.get(key)
-
-    async def send_changelog(self, partition, key, value, value_serializer=None):
-        self.changelog.append((partition, key, value))
 
 
 class Message:
