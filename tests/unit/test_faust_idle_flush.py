@@ -2,7 +2,6 @@
 tick published once it has been silent for ``streams.idle_flush_s`` of wall time (issue 16).
 No broker: the worker's logic with small working fakes and a hand-driven clock."""
 
-
 import orjson
 import pytest
 
