@@ -37,11 +37,10 @@ FIELDS = ("ooms", "preemptions", "failed", "rejected", "slo_attainment", "slo_go
 
 def run_seed(job: tuple) -> dict:
     """All four arms of one (workload, rate, seed)."""
-    from kvguard.ops.static_sweep import tuned_knobs
-    from kvguard.producers.profiles import EngineKnobs, load_profile
+    from kvguard.producers.profiles import EngineKnobs
     from kvguard.producers.vllm_engine import VllmEngineConfig
     from kvguard.runtime.bootstrap import bootstrap
-    from kvguard.runtime.embedded import demo_workload, run_embedded
+    from kvguard.runtime.embedded import demo_workload, run_embedded, static_arms
 
     workload, rate, seed, gpus, duration_s, frac, lstm = job
     logging.disable(logging.WARNING)  # mode changes and outages are the runs' own business here
@@ -49,9 +48,8 @@ def run_seed(job: tuple) -> dict:
     operator = EngineKnobs(gpu_memory_utilization=OPERATOR_UTILIZATION)
     graph = bootstrap(knobs=operator, node_config=node_config, predictor="shipped" if lstm else None)
     wl = demo_workload(graph.profile, workload=workload, rate_scale=rate, duration_s=duration_s, seed=seed)
-    arms = {"vllm_default": (graph.with_node(load_profile(), node_config), False),
-            "tuned_static": (graph.with_node(load_profile(knobs=tuned_knobs()), node_config), False),
-            "baseline": (graph, False), "kvguard": (graph, True)}
+    arms = {name: (g, False) for name, g in static_arms(graph, None, node_config).items()}
+    arms |= {"baseline": (graph, False), "kvguard": (graph, True)}
     out = {}
     for name, (g, guarded) in arms.items():
         result = asyncio.run(run_embedded(g, wl, n_gpus=gpus, duration_s=duration_s, seed=seed, guarded=guarded))

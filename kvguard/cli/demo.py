@@ -202,11 +202,10 @@ def demo(
 
     # the runtime loads the whole system: imported when the command runs, so `kvguard --help` stays fast
     from kvguard.cli.simulate import parse_duration
-    from kvguard.ops.static_sweep import tuned_knobs
     from kvguard.producers.profiles import EngineKnobs, load_profile
     from kvguard.producers.vllm_engine import VllmEngineConfig
     from kvguard.runtime.bootstrap import bootstrap, make_ledger, make_slo_ledger
-    from kvguard.runtime.embedded import compare, demo_workload, ledger_summary
+    from kvguard.runtime.embedded import compare, demo_workload, ledger_summary, static_arms
     from kvguard.runtime.overbus import run_over_bus
     from kvguard.wire.settings import ConfigError, Settings
 
@@ -252,11 +251,10 @@ def demo(
                 raise typer.Exit(1) from None
         else:
             guarded = _run(graph, wl, gpus, duration_s, seed, True, live, console, host)
-        static_arms = {}
+        static_runs = {}
         if vllm and arms:
-            for name, arm_knobs in (("vllm_default", None), ("tuned_static", tuned_knobs())):
-                arm_graph = graph.with_node(load_profile(profile, knobs=arm_knobs), node_config)
-                static_arms[name] = (_run(arm_graph, wl, gpus, duration_s, seed, False, live, console, host,
+            for name, arm_graph in static_arms(graph, profile, node_config).items():
+                static_runs[name] = (_run(arm_graph, wl, gpus, duration_s, seed, False, live, console, host,
                                           label=name), arm_graph.profile.name)
         ledgers, lost = ledger_summary(graph.ledger, graph.slo_ledger, redis)
     finally:
@@ -269,7 +267,7 @@ def demo(
     described = {"vllm_default": "vLLM's defaults", "tuned_static": "the best static knobs of the sweep on the "
                  "training workloads", "baseline": "the operator's knobs, no kvguard",
                  "kvguard": "the operator's knobs, kvguard's closed loop"}
-    runs = {**static_arms, "baseline": (baseline, graph.profile.name), "kvguard": (guarded, graph.profile.name)}
+    runs = {**static_runs, "baseline": (baseline, graph.profile.name), "kvguard": (guarded, graph.profile.name)}
     result["arms"] = {name: arm_summary(run.summary, prof, described[name]) for name, (run, prof) in runs.items()}
     result["prompt_logprobs_frac"] = prompt_logprobs_frac if vllm else None
     result["mode"] = "kafka" if bus else "embedded"

@@ -18,7 +18,8 @@ from typing import Any
 
 from kvguard.bus.inproc import InprocBus
 from kvguard.contracts.units import NS_PER_S
-from kvguard.producers.profiles import prompt_cap_tokens
+from kvguard.ops.static_sweep import tuned_knobs
+from kvguard.producers.profiles import load_profile, prompt_cap_tokens
 from kvguard.producers.workloads import load_workload
 from kvguard.runtime.bootstrap import make_ledger, make_slo_ledger
 from kvguard.streams.outputs import output_records
@@ -47,6 +48,14 @@ class RunResult:
     oom_times: dict[str, list[float]] = field(default_factory=dict)
     actions: dict[str, Counter] = field(default_factory=dict)
     wall_seconds: float = 0.0
+
+
+def static_arms(graph: Any, profile_name: str | None, node_config: Any = None) -> dict[str, Any]:
+    """The static arms beside an operator's graph (issue 12), each the same graph over another node
+    configuration: ``vllm_default`` (the profile as shipped) and ``tuned_static`` (the static sweep's
+    winner, ``kvguard/ops/tuned_static.json``); run them unguarded."""
+    return {"vllm_default": graph.with_node(load_profile(profile_name), node_config),
+            "tuned_static": graph.with_node(load_profile(profile_name, knobs=tuned_knobs()), node_config)}
 
 
 def demo_workload(profile: Any, *, workload: str, rate_scale: float, duration_s: float, seed: int):
