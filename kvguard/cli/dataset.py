@@ -42,6 +42,19 @@ def build_with_progress(specs, console, tick_s: float = 10.0):
         return build_dataset(specs, tick_s=tick_s, progress=report)
 
 
+def logs_with_progress(paths, splits, console, tick_s: float = 10.0):
+    from kvguard.ml.dataset import dataset_from_logs
+
+    with progress_bar(console) as bar:
+        task = bar.add_task("reading event logs", total=len(paths), info="")
+
+        def report(i, n, path, record):
+            ooms = sum(len(s.oom_ts_ns) for s in record.sequences)
+            bar.update(task, completed=i, info=f"{path.name}: {len(record.sequences)} nodes, {ooms} OOMs")
+
+        return dataset_from_logs(paths, splits, tick_s=tick_s, progress=report)
+
+
 def resolve_specs(preset: str | None, spec_file: Path | None):
     from kvguard.ml.dataset import PRESETS, DatasetError, RunSpec
 
@@ -63,18 +76,30 @@ def dataset_command(
     out: Path = typer.Option(Path("kvguard-dataset"), "--out", help="Output path; writes OUT.npz and OUT.json."),
     preset: str = typer.Option("shipped", "--preset", help="Named set of runs (shipped, small, tiny: the seed engine; vllm: the default engine under the operator's knobs)."),
     spec_file: Path = typer.Option(None, "--spec", help="JSON list of run specs instead of a preset."),
+    events: list[Path] = typer.Option(None, "--events", help="Recorded event log (kvguard simulate --events-out, "
+                                      "kvguard record), one run per log, instead of simulating (repeatable)."),
+    split: list[str] = typer.Option(None, "--split", help="With --events: the split (train, val, test) of every "
+                                    "log, or one per log in order (repeatable). Default: train."),
     tick_s: float = typer.Option(10.0, "--tick-s", help="Tick length in seconds of event time."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest summary as JSON on stdout."),
 ) -> None:
-    """Build a training/evaluation dataset from shadow-engine runs (deterministic; records its inputs)."""
+    """Build a training/evaluation dataset from shadow-engine runs or recorded event logs
+    (deterministic; records its inputs)."""
     from rich.console import Console
 
     from kvguard.ml.dataset import DatasetError
 
     console = Console(stderr=True)
     try:
-        specs = resolve_specs(preset if spec_file is None else None, spec_file)
-        ds = build_with_progress(specs, console, tick_s)
+        if events:
+            if spec_file is not None:
+                raise DatasetError("--events and --spec: give one source of runs")
+            ds = logs_with_progress(list(events), list(split or ["train"]), console, tick_s)
+        else:
+            if split:
+                raise DatasetError("--split goes with --events (a run spec carries its own split)")
+            specs = resolve_specs(preset if spec_file is None else None, spec_file)
+            ds = build_with_progress(specs, console, tick_s)
     except (DatasetError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

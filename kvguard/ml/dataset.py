@@ -589,3 +589,125 @@ def build_dataset(specs: list[RunSpec], *, tick_s: float = 10.0,
         if progress:
             progress(i + 1, len(specs), spec, record)
     return assemble(list(FEATURE_NAMES), runs, tick_s=tick_s, inputs=inputs, duplicates=duplicates)
+
+
+# -- datasets from recorded event logs ----------------------------------------------------------------
+
+_UP_KINDS = np.array([int(EventKind.ADMIT), int(EventKind.STEP)], dtype=np.int64)
+
+
+@dataclass(slots=True)
+class LogRecord:
+    """What one event log gives a dataset: its header, per-node sequences and where it ends."""
+
+    path: str
+    meta: dict
+    sequences: list[Sequence]
+    end_ns: int
+    batches: int = 0
+    events: int = 0
+
+
+def sequences_from_log(path: str | Path, *, tick_s: float = 10.0, chunk_batches: int = 256,
+                       progress=None) -> LogRecord:
+    """One node sequence per node of a recorded event log (``kvguard simulate --events-out`` or
+    ``kvguard record``), computed by the same stream core as a simulated run.
+
+    OOM times are the log's ``oom`` rows. A log does not say when a restarted GPU was up again, so the
+    GPU counts as down from each OOM to its next scheduled step (an ``admit`` or ``step`` row), or past
+    the end of the log when none follows: an upper bound of the true downtime, so down ticks are never
+    labelled. The log is observed to the later of its last event and the header's ``duration_s``
+    (``end_ns``); ticks whose horizon reaches past it are censored, as in a simulated run."""
+    from kvguard.wire.eventlog import read_event_log
+
+    meta, batches = read_event_log(path)
+    core = StreamCore(StreamConfig(tick_s=tick_s))
+    feats: dict[str, list[np.ndarray]] = {}
+    times: dict[str, list[int]] = {}
+    transitions: dict[str, list] = {}
+    ooms: dict[str, list[int]] = {}
+    up_rows: dict[str, list[np.ndarray]] = {}  # node -> ts of rows that show the engine scheduling
+    record = LogRecord(path=str(path), meta=meta, sequences=[], end_ns=0)
+
+    def absorb(ticks, alerts) -> None:
+        for tick in ticks:
+            feats.setdefault(tick.node, []).append(tick_features(tick))
+            times.setdefault(tick.node, []).append(tick.ts_ns)
+        for alert in alerts:
+            transitions.setdefault(alert.node, []).append((alert.ts_ns, alert.rule, alert.tier, alert.state == FIRING))
+
+    chunk: list = []
+    last_ns = 0
+    for batch in batches:
+        record.batches += 1
+        ev = batch.events
+        record.events += len(ev)
+        ooms.setdefault(batch.node, [])
+        if len(ev):
+            kinds, ts = ev["kind"].astype(np.int64), ev["ts_ns"].astype(np.int64)
+            last_ns = max(last_ns, int(ts.max()))
+            oom_rows = kinds == int(EventKind.OOM)
+            if oom_rows.any():
+                ooms[batch.node].extend(int(t) for t in ts[oom_rows])
+            up = np.isin(kinds, _UP_KINDS)
+            if up.any():
+                up_rows.setdefault(batch.node, []).append(ts[up])
+        chunk.append(batch)
+        if len(chunk) >= chunk_batches:
+            absorb(*core.process_many(chunk))
+            chunk = []
+            if progress:
+                progress(record.batches)
+    if chunk:
+        absorb(*core.process_many(chunk))
+    duration_s = meta.get("duration_s")
+    end_ns = max(last_ns, int(float(duration_s) * NS_PER_S) if isinstance(duration_s, (int, float)) else 0)
+    absorb(*core.flush(end_ns))
+    record.end_ns = end_ns
+    for node in sorted(set(times) | set(ooms)):
+        ts = np.asarray(times.get(node, []), dtype=np.int64)
+        features = (np.stack(feats[node]) if feats.get(node) else np.zeros((0, len(FEATURE_NAMES)))).astype(np.float32)
+        oom_ts = np.sort(np.asarray(ooms.get(node, []), dtype=np.int64))
+        scheduled = np.sort(np.concatenate(up_rows[node])) if up_rows.get(node) else np.zeros(0, np.int64)
+        k = np.searchsorted(scheduled, oom_ts, side="right")  # first scheduling row after each OOM
+        up_ts = np.where(k < len(scheduled), scheduled[np.minimum(k, max(len(scheduled) - 1, 0))], end_ns + 1)
+        record.sequences.append(Sequence(node=node, ts_ns=ts, features=features, oom_ts_ns=oom_ts,
+                                         oom_up_ts_ns=np.maximum(up_ts, oom_ts).astype(np.int64), end_ns=end_ns,
+                                         firing=firing_by_tier(ts, transitions.get(node, []))))
+    return record
+
+
+def log_run_info(record: LogRecord, split: str) -> dict:
+    """A run row for a log: the header's workload (else the file name) so that leave-one-workload-out
+    and the split rules treat it like a simulated run."""
+    meta = record.meta
+    workload = str(meta.get("workload") or Path(record.path).name)
+    return {"workload": workload, "rate_scale": meta.get("rate_scale"), "profile": meta.get("profile"),
+            "seed": meta.get("seed"), "n_gpus": len(record.sequences), "split": split, "source": "events",
+            "events_file": Path(record.path).name, "key": f"events:{Path(record.path).name}",
+            "batches": record.batches, "events": record.events}
+
+
+def dataset_from_logs(paths: list[str | Path], splits: list[str], *, tick_s: float = 10.0,
+                      progress=None) -> TickDataset:
+    """A dataset from recorded event logs, one run per log; ``splits`` holds one split for all or one
+    per log. ``progress(i, n, path, record)`` after each log. Identical logs are kept once."""
+    if len(splits) not in (1, len(paths)):
+        raise DatasetError(f"--split: give one split for all logs or one per log ({len(paths)}), got {len(splits)}")
+    runs, inputs, kept, duplicates = [], {}, {}, []
+    for i, path in enumerate(paths):
+        split = splits[0] if len(splits) == 1 else splits[i]
+        if split not in SPLITS:
+            raise DatasetError(f"--split {split!r}: expected one of {SPLITS}")
+        record = sequences_from_log(path, tick_s=tick_s)
+        inputs[Path(path).name] = file_sha256(path)
+        fingerprint = run_fingerprint(record.sequences)
+        info = log_run_info(record, split)
+        if fingerprint in kept:
+            duplicates.append({"key": info["key"], "split": split, "same_as": kept[fingerprint]})
+        else:
+            kept[fingerprint] = info["key"]
+            runs.append((info, record.sequences))
+        if progress:
+            progress(i + 1, len(paths), path, record)
+    return assemble(list(FEATURE_NAMES), runs, tick_s=tick_s, inputs=inputs, duplicates=duplicates)
