@@ -44,6 +44,7 @@ from kvguard.actuators.executor import Executor
 from kvguard.bus.deliver import deliver_all
 from kvguard.bus.dlq import RecordDecoder
 from kvguard.contracts.commands import Ack, AckOutcome, Command, CommandError, verify
+from kvguard.contracts.units import NS_PER_S
 from kvguard.wire.schemas import make_headers
 
 log = logging.getLogger(__name__)
@@ -127,8 +128,8 @@ class ActuatorCounters:
                 if name in base or getattr(self, name)}
 
 
-DEFAULT_MAX_SKEW_NS = 60 * 1_000_000_000  # node.command_max_skew_s
-DEFAULT_MAX_TTL_NS = 3600 * 1_000_000_000  # node.command_max_ttl_s
+DEFAULT_MAX_SKEW_NS = 60 * NS_PER_S  # node.command_max_skew_s
+DEFAULT_MAX_TTL_NS = 3600 * NS_PER_S  # node.command_max_ttl_s
 
 
 class Actuator:
@@ -166,16 +167,16 @@ class Actuator:
             return self._reject(command, now_ns, started, AckOutcome.DUPLICATE,
                                 f"command {command.id} was applied already")
         if command.is_expired(now_ns):
-            late_s = (now_ns - command.expires_at_ns()) / 1e9
+            late_s = (now_ns - command.expires_at_ns()) / NS_PER_S
             return self._reject(command, now_ns, started, AckOutcome.REJECTED_EXPIRED,
-                                f"expired {late_s:.3f} s ago (ttl {command.ttl_ns / 1e9:g} s)")
+                                f"expired {late_s:.3f} s ago (ttl {command.ttl_ns / NS_PER_S:g} s)")
         if command.issued_at_ns - now_ns > self.max_skew_ns:
             return self._reject(command, now_ns, started, AckOutcome.REJECTED_FUTURE,
-                                f"issued {(command.issued_at_ns - now_ns) / 1e9:.3f} s ahead of the node's clock "
-                                f"(at most {self.max_skew_ns / 1e9:g} s: node.command_max_skew_s)")
+                                f"issued {(command.issued_at_ns - now_ns) / NS_PER_S:.3f} s ahead of the node's clock "
+                                f"(at most {self.max_skew_ns / NS_PER_S:g} s: node.command_max_skew_s)")
         if command.ttl_ns > self.max_ttl_ns:
             return self._reject(command, now_ns, started, AckOutcome.REJECTED_TTL,
-                                f"ttl {command.ttl_ns / 1e9:g} s is longer than {self.max_ttl_ns / 1e9:g} s "
+                                f"ttl {command.ttl_ns / NS_PER_S:g} s is longer than {self.max_ttl_ns / NS_PER_S:g} s "
                                 "(node.command_max_ttl_s)")
         self.journal.record(command.id, command.expires_at_ns())
         try:

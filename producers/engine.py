@@ -59,7 +59,7 @@ GRANULARITIES = tuple(g.value for g in Granularity)
 
 
 @dataclass(slots=True)
-class EngineConfig:
+class SeedEngineConfig:
     watermark_frac: float = 0.01  # admission keeps this share of D free (vLLM's watermark)
     restart_s: float = 60.0  # downtime after an OOM crash
     max_fused_steps: int = 16  # decode steps fused into one block
@@ -166,12 +166,12 @@ class _Seq:
 
 class Engine:
     def __init__(self, pool, profile: Profile, *, node: str = "sim-0/gpu0", seed: int = 0,
-                 config: EngineConfig | None = None):
+                 config: SeedEngineConfig | None = None):
         self.pool = pool
         self.profile = profile
         self.node = node
         self.seed = seed
-        self.config = config or EngineConfig()
+        self.config = config or SeedEngineConfig()
         geometry = profile.geometry
         self.unit_tokens = geometry.unit_tokens
         self.dynamic_units = geometry.dynamic_units

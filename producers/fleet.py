@@ -17,7 +17,7 @@ import numpy as np
 
 from kvguard.contracts.events import EVENT_DTYPE, EventBatch
 from kvguard.contracts.units import NS_PER_S
-from kvguard.producers.engine import Engine, EngineConfig, RunSummary, slo_fields
+from kvguard.producers.engine import Engine, SeedEngineConfig, RunSummary, slo_fields
 from kvguard.producers.pool import PagedPool
 from kvguard.producers.profiles import Profile
 from kvguard.producers.vllm_engine import VllmEngine, VllmEngineConfig
@@ -53,14 +53,14 @@ ROUTERS: dict[str, Callable[[list[Engine], Request], int]] = {
 
 
 def make_engine(profile: Profile, node: str, *, seed: int = 0, config=None):
-    """The engine ``profile`` names. ``config``: an ``EngineConfig`` (seed engine; for the vLLM engine only
+    """The engine ``profile`` names. ``config``: an ``SeedEngineConfig`` (seed engine; for the vLLM engine only
     its ``restart_s`` carries over) or a ``VllmEngineConfig``."""
     if profile.engine == "vllm":
-        if isinstance(config, EngineConfig):
+        if isinstance(config, SeedEngineConfig):
             config = VllmEngineConfig(restart_s=config.restart_s)
         return VllmEngine(profile, node=node, seed=seed, config=config)
-    if config is not None and not isinstance(config, EngineConfig):
-        raise ValueError(f"profile {profile.name!r} runs the seed engine: config must be an EngineConfig, "
+    if config is not None and not isinstance(config, SeedEngineConfig):
+        raise ValueError(f"profile {profile.name!r} runs the seed engine: config must be a SeedEngineConfig, "
                          f"got {type(config).__name__}")
     return Engine(make_pool(profile, node), profile, node=node, seed=seed, config=config)
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from kvguard.contracts.units import NS_PER_S
 from kvguard.producers.kv_blocks import prompt_block_keys
 from kvguard.producers.scheduler import VLLM_VERSION_FOLLOWED, Scheduler, SchedulerConfig
 from kvguard.producers.workloads import HASH_BLOCK_TOKENS, Request, mix_hash
@@ -89,7 +90,7 @@ def synth_prompt_token_ids(num_prompt_tokens: int, keys: tuple[int, ...], salt: 
 
 def conformance_requests(requests: Iterable[Request], *, block_size: int, step_duration_s: float,
                          ) -> list[ConformanceRequest]:
-    step_ns = int(step_duration_s * 1e9)
+    step_ns = int(step_duration_s * NS_PER_S)
     if step_ns <= 0:
         raise ValueError(f"step_duration_s: expected > 0, got {step_duration_s}")
     out = []
@@ -190,7 +191,7 @@ class VllmSide:
         params = v.SamplingParams(max_tokens=req.max_tokens, ignore_eos=True)
         self.scheduler.add_request(v.Request(
             request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), sampling_params=params,
-            pooling_params=None, arrival_time=req.arrival_ns / 1e9, priority=req.priority,
+            pooling_params=None, arrival_time=req.arrival_ns / NS_PER_S, priority=req.priority,
             block_hasher=self.block_hasher))
         self.salts[req.request_id] = req.salt
         self.wall_s += time.perf_counter() - t0

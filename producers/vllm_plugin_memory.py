@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvguard.contracts.events import OomCause, OomLayer
+from kvguard.contracts.units import NS_PER_S
 from kvguard.producers.allocator_events import StepRecorder
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class CudaMemoryObserver:
         self.translator = translator
         self.torch = torch_module
         self.stats_every_ns = int(stats_every_ms * 1e6)
-        self.segments_every_ns = int(segments_every_s * 1e9)
+        self.segments_every_ns = int(segments_every_s * NS_PER_S)
         self.clock_ns = clock_ns
         self.active, self.reason = self._check(torch_module)
         self.device = int(torch_module.cuda.current_device()) if self.active else -1

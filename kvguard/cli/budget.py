@@ -9,6 +9,7 @@ from typing import Any, Optional
 import typer
 
 from kvguard.cli.app import app
+from kvguard.contracts.units import NS_PER_S
 
 budget_app = typer.Typer(help="Weekly fragmentation budget per node (F_ext above threshold).",
                          no_args_is_help=True)
@@ -82,7 +83,7 @@ def _pick_week(week: Optional[str], ledger: Any) -> tuple[str, str]:
     if known:
         return known[-1], "latest"
     now = _dt.datetime.now(_dt.timezone.utc)
-    return iso_week(int(now.timestamp()) * 1_000_000_000), "current"
+    return iso_week(int(now.timestamp()) * NS_PER_S), "current"
 
 
 _WEEK_NOTES = {"given": "", "latest": " (latest week with data)",

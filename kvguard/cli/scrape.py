@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 
 from kvguard.cli.app import app
+from kvguard.contracts.units import NS_PER_S
 
 # the rules a scrape can feed: U_kv thresholds and its slope (Ψ and the fragmentation rule need F_ext)
 SCRAPE_RULES = ("KVCacheUsageCritical", "KVCacheUsageHigh", "KVCacheUsageRising")
@@ -152,13 +153,13 @@ class Scraper:
         node = f"{self.prefix}/engine{em.engine}"
         points = self.history.setdefault(key, [])
         points.append((ts_ns, float(em.kv_cache_usage)))
-        horizon = ts_ns - int(cfg.slope_window_s * 1e9)
+        horizon = ts_ns - int(cfg.slope_window_s * NS_PER_S)
         while points and points[0][0] <= horizon:
             points.pop(0)
         pts = np.array(points, dtype=np.float64)
         slope = least_squares_slope(pts[:, 0], pts[:, 1])
         before = self.last.get(key)
-        iv = interval(em, before[1] if before else None, (ts_ns - before[0]) / 1e9 if before else 0.0)
+        iv = interval(em, before[1] if before else None, (ts_ns - before[0]) / NS_PER_S if before else 0.0)
         self.last[key] = (ts_ns, em)
         u = float(em.kv_cache_usage)
         reserved = cfg.reserved_frac if cfg.reserved_frac is not None else 0.05
@@ -190,6 +191,6 @@ class Scraper:
         for alert in evaluator.evaluate(tick):
             a = alert_record(alert)
             a["type"] = "alert"
-            a["ts_s"] = alert.ts_ns / 1e9
+            a["ts_s"] = alert.ts_ns / NS_PER_S
             out.append(a)
         return out

@@ -40,6 +40,7 @@ from kvguard.producers.workloads import SCENARIOS, load_workload, resolve_trace_
 from kvguard.streams.alerts import FIRING
 from kvguard.streams.core import StreamConfig, StreamCore
 from kvguard.streams.metrics import FEATURE_NAMES, tick_features
+from kvguard.wire.eventlog import read_event_log
 
 DATASET_FORMAT = "kvguard-tick-dataset/2"
 TIERS_STORED = ("threshold", "slope")
@@ -618,8 +619,6 @@ def sequences_from_log(path: str | Path, *, tick_s: float = 10.0, chunk_batches:
     the end of the log when none follows: an upper bound of the true downtime, so down ticks are never
     labelled. The log is observed to the later of its last event and the header's ``duration_s``
     (``end_ns``); ticks whose horizon reaches past it are censored, as in a simulated run."""
-    from kvguard.wire.eventlog import read_event_log
-
     meta, batches = read_event_log(path)
     core = StreamCore(StreamConfig(tick_s=tick_s))
     feats: dict[str, list[np.ndarray]] = {}

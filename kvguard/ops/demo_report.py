@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvguard.contracts.tiers import AlertThresholds
+from kvguard.contracts.units import NS_PER_S
 
 ROWS = (("u_kv", 1, "U_kv"), ("f_ext", 2, "F_ext"), ("psi", 3, "Ψ"))
 SMALL_FLEET = 8  # more GPUs than this: heatmaps, not one line per GPU
@@ -172,7 +173,7 @@ def _markdown(result: dict) -> str:
                   f"- actuator counters: `{json.dumps(kv.get('actuators', {}))}`",
                   f"- SLO ledger records: `{json.dumps(kv.get('slo') or {})}`",
                   f"- mode changes: {len(kv.get('mode_changes', []))}"]
-        lines += [f"  - {c['node']} at {c['ts_ns'] / 1e9:.0f} s: {c['from_mode']} → {c['to_mode']} ({c['reason']})"
+        lines += [f"  - {c['node']} at {c['ts_ns'] / NS_PER_S:.0f} s: {c['from_mode']} → {c['to_mode']} ({c['reason']})"
                   for c in kv.get("mode_changes", [])[:20]]
         lines.append("")
     ledger = result.get("ledger") or {}

@@ -18,6 +18,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from kvguard.bus.kafka import client_kwargs, create_topics
 from kvguard.contracts.tick import Tick
+from kvguard.contracts.units import NS_PER_S
 from kvguard.runtime.bootstrap import make_bus
 from kvguard.runtime.embedded import RunResult
 from kvguard.runtime.node import run_node
@@ -56,9 +57,9 @@ async def run_over_bus(graph: Any, workload: Any, *, bus: str, n_gpus: int, dura
 
         def observe(tick: Tick):
             result.series.setdefault(tick.node, []).append(
-                (tick.ts_ns / 1e9, tick.u_kv, tick.f_ext, tick.psi, tick.p_oom))
+                (tick.ts_ns / NS_PER_S, tick.u_kv, tick.f_ext, tick.psi, tick.p_oom))
             if tick.ooms:
-                result.oom_times.setdefault(tick.node, []).append(tick.ts_ns / 1e9)
+                result.oom_times.setdefault(tick.node, []).append(tick.ts_ns / NS_PER_S)
             last_ts["ns"] = max(last_ts["ns"], tick.ts_ns)
             return handle(tick)
 

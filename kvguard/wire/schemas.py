@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationErr
 from kvguard.contracts.events import COLUMNS, EVENT_DTYPE, EventBatch, Geometry, PoolState
 from kvguard.contracts.tick import SINCE_OOM_CAP_S, Tick
 from kvguard.contracts.tick import Candidate as TickCandidate
+from kvguard.contracts.units import DEFAULT_PRIORITY
 from kvguard.wire.validate import DEFAULT_LIMITS, InvalidRecord, WireLimits, check_batch_fields, check_tick_values
 
 SCHEMA_VERSION = "1.0"
@@ -243,7 +244,7 @@ class Candidate(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     req: int
-    priority: int = 5
+    priority: int = DEFAULT_PRIORITY
     units: int = 0
     pages: int = 0
     tokens: int = 0

@@ -3,7 +3,7 @@ import pytest
 
 from kvguard.contracts.events import F_PRIORITY_DEFAULTED, EventBatch, EventKind, Handling, Outcome
 from kvguard.contracts.units import NS_PER_S
-from kvguard.producers.engine import Engine, EngineConfig, SeqState
+from kvguard.producers.engine import Engine, SeedEngineConfig, SeqState
 from kvguard.producers.pool import PagedPool
 from kvguard.producers.profiles import profile_from_dict
 from kvguard.producers.workloads import Request, load_workload
@@ -127,7 +127,7 @@ def _fragment(pool, holes_of=9):
 
 def _crash_setup(max_num_seqs=64):
     profile = tiny_profile(1000, activation_bytes_per_token=4096, max_batched_tokens=32, max_num_seqs=max_num_seqs)
-    e = make_engine(profile, EngineConfig(restart_s=60.0))
+    e = make_engine(profile, SeedEngineConfig(restart_s=60.0))
     _fragment(e.pool)
     m = e.pool.metrics()
     assert m.free_units > 400 and m.largest_free_run < 20

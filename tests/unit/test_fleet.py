@@ -3,7 +3,7 @@ import pytest
 
 from kvguard.contracts.events import EventKind, Outcome
 from kvguard.contracts.units import NS_PER_S
-from kvguard.producers.engine import EngineConfig
+from kvguard.producers.engine import SeedEngineConfig
 from kvguard.producers.fleet import Fleet
 from kvguard.producers.workloads import Request, load_workload
 from tests.unit.test_engine import tiny_profile
@@ -76,7 +76,7 @@ def _crash_fleet(n=2, router="least_loaded", fragment=(0,)):
     from tests.unit.test_engine import _fragment
 
     profile = tiny_profile(1000, activation_bytes_per_token=4096, max_batched_tokens=32)
-    fleet = Fleet(n, profile, seed=1, router=router, config=EngineConfig(restart_s=60.0))
+    fleet = Fleet(n, profile, seed=1, router=router, config=SeedEngineConfig(restart_s=60.0))
     for i in fragment:  # these GPUs crash on their first step (no contiguous run for the workspace)
         _fragment(fleet.engines[i].pool)
     return fleet

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from kvguard.contracts.events import EVENT_DTYPE, free_runs_checksum
 from kvguard.contracts.events import EventKind as K
+from kvguard.contracts.units import NS_PER_S
 from kvguard.streams.mirror import AllocatorMirror, MirrorError
 from tests.unit.streams_refpool import RefPool, small_geometry
 
@@ -169,7 +170,7 @@ def test_mirror_equals_the_shadow_engine_pool_after_every_batch_and_at_ticks():
     from kvguard.producers.workloads import load_workload
     from kvguard.streams.core import StreamCore
 
-    ns = 1_000_000_000
+    ns = NS_PER_S
     profile = load_profile("llama3-8b-24gb")  # the seed engine: its PagedPool is what the mirror is compared with
     fleet = Fleet(2, profile, seed=3, snapshot_every_s=30)
     fleet.submit_workload(load_workload("mixed", rate_scale=4.0, window=240, seed=3))

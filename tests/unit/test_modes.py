@@ -2,12 +2,13 @@
 
 from dataclasses import replace
 
+from kvguard.contracts.units import NS_PER_S
 from kvguard.contracts.commands import Mode
 from kvguard.policy.modes import ModeConfig, ModeTracker
 from kvguard.policy.planner import NodeView
 from kvguard.wire.schemas import MetricTick
 
-S = 1_000_000_000
+S = NS_PER_S
 
 
 def view(ts_s, u_kv, ooms=0):
