@@ -19,6 +19,13 @@ TTLs or duplicates (``actuators.actuator`` does that before calling it) and neve
   as soon as the free-space count allows, so without this an eviction only buys time; with it
   the freed space stays free and the next step's workspace and pages find contiguous room.
 
+* ``batch_cap``: cap the engine's per-step token budget (vLLM's ``max_num_batched_tokens``).
+* ``hold`` / ``release``: hold admissions of prompts longer than ``units_needed`` tokens (0: all,
+  a drain) for ``max_moves`` steps, or end the hold (``hold_admissions``, ``release_admissions``).
+* ``abort``: end each target's request now (``abort_request``; a finished one is a no-op).
+* ``empty_cache``: return cached allocator segments to the device (``empty_cache``).
+An engine without the entry point an action needs acks NOOP with the reason.
+
 Every change the pool makes is recorded as events (EVICT, SWAP_OUT, MIGRATE, RECLAIM, …), so
 executed actions reach ``kvguard.events`` through the node's producer like any other event.
 """
@@ -62,6 +69,10 @@ class Executor:
             Action.RECLAIM: self._reclaim,
             Action.HEADROOM: self._headroom,
             Action.BATCH_CAP: self._batch_cap,
+            Action.HOLD: self._hold,
+            Action.RELEASE: self._release,
+            Action.ABORT: self._abort,
+            Action.EMPTY_CACHE: self._empty_cache,
         }
 
     def execute(self, command: Command, now_ns: int) -> ExecutionResult:
@@ -137,6 +148,50 @@ class Executor:
             return _result(0, 0, 0, 1, ["batch_cap: this engine has no per-step token budget to cap"])
         cap(max(0, int(command.units_needed)), max(0, int(command.max_moves)))
         return _result(0, 0, 1, 0, [])
+
+    def _hold(self, command: Command, now_ns: int) -> ExecutionResult:
+        hold = getattr(self.engine, "hold_admissions", None)
+        if hold is None:
+            return _result(0, 0, 0, 1, ["hold: this engine has no admission hold"])
+        hold(max(0, int(command.units_needed)), max(0, int(command.max_moves)))
+        return _result(0, 0, 1, 0, [])
+
+    def _release(self, command: Command, now_ns: int) -> ExecutionResult:
+        release = getattr(self.engine, "release_admissions", None)
+        if release is None:
+            return _result(0, 0, 0, 1, ["release: this engine has no admission hold"])
+        return _result(0, 0, 1, 0, []) if release() else _result(0, 0, 0, 1, [])
+
+    def _abort(self, command: Command, now_ns: int) -> ExecutionResult:
+        abort = getattr(self.engine, "abort_request", None)
+        if abort is None:
+            return _result(0, 0, 0, len(command.targets) or 1, ["abort: this engine cannot abort a request"])
+        freed = done = noop = 0
+        errors: list[str] = []
+        for target in command.targets:
+            try:
+                units = abort(target.req, now_ns)
+            except Exception as err:  # one bad target must not stop the others
+                errors.append(f"req {target.req}: {type(err).__name__}: {err}")
+                continue
+            if units is None:
+                noop += 1
+            else:
+                done += 1
+                freed += int(units)
+        return _result(freed, 0, done, noop, errors)
+
+    def _empty_cache(self, command: Command, now_ns: int) -> ExecutionResult:
+        empty = getattr(self.engine, "empty_cache", None)
+        if empty is None:
+            return _result(0, 0, 0, 1, ["empty_cache: this engine has no caching allocator"])
+        try:
+            released = empty(now_ns)
+        except Exception as err:
+            return _result(0, 0, 0, 0, [f"empty_cache: {type(err).__name__}: {err}"])
+        if released is None:
+            return _result(0, 0, 0, 1, ["empty_cache: no CUDA in this process"])
+        return _result(0, 0, 1, 0, [f"empty_cache: {int(released)} bytes returned to the device"])
 
     # -- page choice -------------------------------------------------------------------------
 

@@ -64,6 +64,7 @@ class SeqStatus(Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_LENGTH = "finished_length_capped"  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "finished_aborted"  # ended from outside (vLLM: finish_requests(..., FINISHED_ABORTED))
 
 
 class RejectReason(Enum):
@@ -212,6 +213,19 @@ class FCFSQueue:
     def pop(self) -> Sequence:
         return self._items.popleft()
 
+    def remove(self, seqs: list[Sequence]) -> None:
+        """Take ``seqs`` out, the others keeping their order (``RequestQueue.remove_requests``)."""
+        gone = {id(s) for s in seqs}
+        self._items = deque(s for s in self._items if id(s) not in gone)
+
+    def restore(self, seqs: list[Sequence], order: dict[int, int]) -> None:
+        """Put ``seqs`` back at their old positions (``order``: id -> index before ``remove``); requests
+        that joined in between at the front (a preemption prepends) stay in front."""
+        self._items = deque(sorted([*self._items, *seqs], key=lambda s: order.get(id(s), -1)))
+
+    def __iter__(self):
+        return iter(self._items)
+
     def __len__(self) -> int:
         return len(self._items)
 
@@ -232,6 +246,18 @@ class PriorityQueue:
 
     def pop(self) -> Sequence:
         return heapq.heappop(self._heap)[3]
+
+    def remove(self, seqs: list[Sequence]) -> None:
+        gone = {id(s) for s in seqs}
+        self._heap = [entry for entry in self._heap if id(entry[3]) not in gone]
+        heapq.heapify(self._heap)
+
+    def restore(self, seqs: list[Sequence], order: dict[int, int]) -> None:
+        for seq in seqs:  # the heap orders by (priority, arrival) itself
+            self.add(seq)
+
+    def __iter__(self):
+        return (entry[3] for entry in self._heap)
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -447,6 +473,27 @@ class Scheduler:
             self.num_finished += len(finished)
             self._finished_since_schedule.extend(finished)
         return finished
+
+    def finish_requests(self, request_ids, status: SeqStatus = SeqStatus.FINISHED_ABORTED) -> list[Hashable]:
+        """End requests from outside, wherever they are (vLLM ``Scheduler.finish_requests``): out of
+        running or waiting, blocks freed. Unknown ids are skipped. Returns the ids ended."""
+        ended, waiting = [], []
+        for rid in request_ids:
+            seq = self.requests.get(rid)
+            if seq is None:
+                continue
+            if seq.status is SeqStatus.RUNNING:
+                self.running.remove(seq)
+            else:
+                waiting.append(seq)
+            seq.status = status
+            self.kv.free(rid)
+            del self.requests[rid]
+            ended.append(rid)
+        if waiting:
+            self.waiting.remove(waiting)
+        self._finished_since_schedule.extend(ended)
+        return ended
 
     # ---- queries ---------------------------------------------------------------------------
     @property

@@ -81,6 +81,7 @@ REJECTED_RESTARTING = "engine_restarting"
 _ARRIVE, _FINISH, _OOM, _RESET = int(EventKind.ARRIVE), int(EventKind.FINISH), int(EventKind.OOM), int(EventKind.RESET)
 _FILL, _STEP = int(EventKind.FILL), int(EventKind.STEP)
 _COMPLETED, _FAILED, _REJECTED = int(Outcome.COMPLETED), int(Outcome.FAILED_OOM), int(Outcome.REJECTED)
+_ABORTED = int(Outcome.ABORTED)
 
 
 @dataclass(slots=True)
@@ -148,10 +149,12 @@ class VllmEngine:
         self._headroom_blocks = 0
         self._batch_cap = 0  # per-step token budget an actuator set (0: the profile's max_batched_tokens)
         self._batch_cap_steps = 0  # non-empty steps the cap still lasts (0: until released)
+        self._hold_cap: int | None = None  # admission hold an actuator set: prompts over this many tokens (0: all)
+        self._hold_steps = 0  # non-empty steps the hold still lasts (0: until released)
         self._quiet = False
         self.last_step_ns = -1
         # outcomes (the seed engine's names and meanings)
-        self.requests = self.completed = self.failed = self.rejected = 0
+        self.requests = self.completed = self.failed = self.rejected = self.aborted = 0
         self.ooms = self.evictions = self.priority_defaulted = 0
         self._preemptions_done = 0  # preemptions of workers that died
         self.downtime_ns = self.goodput_tokens = self.steps = 0
@@ -287,7 +290,10 @@ class VllmEngine:
         sched.preempted_in_step = 0
         kv.admitted = []
         running_before = len(sched.running)
-        out = sched.schedule()
+        if self._hold_cap is None:
+            out = sched.schedule()
+        else:
+            out = self._schedule_holding(sched)
         tokens = out.num_scheduled_tokens
         if not tokens:
             self._quiet = False
@@ -323,6 +329,22 @@ class VllmEngine:
         self._quiet = (not sched.preempted_in_step and seqs == len(out.sampling_ids) == running_before + len(kv.admitted)
                        and (not waiting or (not kv.admitted and total == seqs and not finished)))
         return True
+
+    def _schedule_holding(self, sched):
+        """``schedule()`` with the held requests out of the waiting queue, put back in their order
+        afterwards (what the plugin does to vLLM's queue, producers.vllm_plugin_actions)."""
+        cap = self._hold_cap
+        waiting = sched.waiting
+        order = {id(seq): i for i, seq in enumerate(waiting)}
+        held = [seq for seq in waiting if seq.num_prompt_tokens > cap]
+        if held:
+            waiting.remove(held)
+        try:
+            return sched.schedule()
+        finally:
+            if held:
+                sched.waiting.restore(held, order)
+            self._quiet = False  # no fused stretch while a hold lasts: it may end in the middle of one
 
     def _note_first_tokens(self, end: int) -> None:
         requests = self.scheduler.requests
@@ -447,6 +469,56 @@ class VllmEngine:
             self._batch_cap_steps -= n
             if self._batch_cap_steps <= 0:
                 self.set_batch_token_cap(0)
+        if self._hold_steps:
+            self._hold_steps -= n
+            if self._hold_steps <= 0:
+                self.release_admissions()
+
+    def hold_admissions(self, max_prompt_tokens: int, steps: int = 0) -> None:
+        """Admit no waiting or preempted request whose prompt is longer than ``max_prompt_tokens``
+        (0: none at all, a drain) for ``steps`` non-empty steps (0: until released). Held requests
+        stay queued and count as waiting."""
+        if max_prompt_tokens < 0 or steps < 0:
+            raise ValueError(f"hold: max_prompt_tokens and steps must be >= 0, got {max_prompt_tokens}, {steps}")
+        self._hold_cap, self._hold_steps = int(max_prompt_tokens), int(steps)
+        self._quiet = False
+
+    def release_admissions(self) -> bool:
+        """End the admission hold; False when there was none."""
+        had = self._hold_cap is not None
+        self._hold_cap, self._hold_steps = None, 0
+        self._quiet = False
+        return had
+
+    def abort_request(self, req: int, now_ns: int) -> int | None:
+        """End a request now, running or waiting (vLLM: the client gets a retryable error); its blocks
+        are freed. Returns the blocks only it held (what aborting gives back), None when it is not in
+        the scheduler (finished, rejected, not arrived yet). Counted as failed."""
+        sched = self.scheduler
+        seq = sched.requests.get(req)
+        if seq is None:
+            return None
+        blocks = sched.kv.req_to_blocks.get(req, [])
+        private = sum(1 for b in blocks if b.ref_count <= 1)
+        now = max(now_ns, self.now_ns)
+        self.recorder.now_ns = now
+        sched.finish_requests([req])
+        info = self._reqs.pop(req)
+        self.failed += 1
+        self.aborted += 1
+        self._outstanding -= info.outstanding
+        self._awaiting_first.discard(req)
+        self._prompt_logprobs.discard(req)
+        self.recorder.row(_FINISH, now, req, flags=_ABORTED, tokens=len(seq.output_token_ids))
+        self._quiet = False
+        return private
+
+    def empty_cache(self, now_ns: int) -> int | None:
+        """``torch.cuda.empty_cache()`` on the worker's caching allocator: bytes returned to the device
+        (None while the worker is down)."""
+        if self.memory is None:
+            return None
+        return self.memory.empty_cache(max(now_ns, self.now_ns))
 
     def set_admission_headroom(self, units: int) -> None:
         """Hold ``units`` blocks back from admission on top of vLLM's watermark (0 releases them)."""

@@ -430,6 +430,14 @@ class WorkerMemory:
             else:
                 emit(_SEG_FREE, now, _segment_pool(size), 0, address, size, 0, 0)
 
+    def empty_cache(self, now_ns: int) -> int:
+        """``torch.cuda.empty_cache()`` between steps: cached segments with no allocation go back to the
+        device (SEG_FREE rows). Returns the bytes released."""
+        before = self.twin.reserved_bytes
+        self.twin.empty_cache(now_ns=now_ns)
+        self._flush(now_ns)
+        return before - self.twin.reserved_bytes
+
     def shutdown(self, now_ns: int) -> None:
         """The process exits: rows that release every persistent block and segment (the twin is dropped)."""
         self._flush(now_ns)

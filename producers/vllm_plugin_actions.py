@@ -56,6 +56,7 @@ class ActionResult:
     outcome: str  # "executed" | "noop" | "queued"
     detail: str = ""
     blocks_freed: int = 0
+    bytes_released: int = 0
 
 
 class VllmActions:
@@ -94,8 +95,9 @@ class VllmActions:
             n += 1
         return n
 
-    def _done(self, action: str, outcome: str, detail: str = "", blocks_freed: int = 0) -> ActionResult:
-        result = ActionResult(action, outcome, detail, blocks_freed)
+    def _done(self, action: str, outcome: str, detail: str = "", blocks_freed: int = 0,
+              bytes_released: int = 0) -> ActionResult:
+        result = ActionResult(action, outcome, detail, blocks_freed, bytes_released)
         self.results.append(result)
         log.info("kvguard action %s: %s %s", action, outcome, detail)
         return result
@@ -171,7 +173,8 @@ class VllmActions:
         before = torch.cuda.memory_reserved()
         torch.cuda.empty_cache()
         released = before - torch.cuda.memory_reserved()
-        return self._done("empty_cache", "executed", f"{released} bytes returned to the device")
+        return self._done("empty_cache", "executed", f"{released} bytes returned to the device",
+                          bytes_released=released)
 
     def _private_blocks(self, request_id: str) -> int:
         """Blocks only ``request_id`` holds: what freeing it gives back."""
@@ -260,7 +263,9 @@ class ExecutorEngine:
     ``evict_request`` at request granularity is a preemption (recompute: vLLM v1 has no swap),
     whatever handling was asked; block and token granularity are no-ops (append-only block tables),
     as are ``compact`` (uniform blocks) and ``pool.reclaim_cached``. ``set_admission_headroom`` is
-    ``set_headroom`` in blocks (the units of this node's geometry)."""
+    ``set_headroom`` in blocks (the units of this node's geometry). ``hold`` / ``release`` are
+    ``hold_admission`` / ``release``, ``abort`` is ``abort`` (the client sees a retryable error) and
+    ``empty_cache`` is ``empty_cache``."""
 
     def __init__(self, node: str, actions: VllmActions) -> None:
         self.node = node
@@ -294,3 +299,24 @@ class ExecutorEngine:
             self.actions.release_batch_cap()
         else:
             self.actions.cap_batch_tokens(tokens, steps or None)
+
+    def hold_admissions(self, max_prompt_tokens: int, steps: int = 0) -> None:
+        """The ``hold`` command: ``max_prompt_tokens`` 0 holds every admission (``drain``)."""
+        self.actions.hold_admission(max_prompt_tokens, steps or None)
+
+    def release_admissions(self) -> bool:
+        """The ``release`` command."""
+        return self.actions.release().outcome == "executed"
+
+    def abort_request(self, req: int, now_ns: int) -> int | None:
+        """The ``abort`` command for one target: blocks only it held, None when vLLM does not have it."""
+        name = self.actions.translator.name_of(req)
+        if name is None:
+            return None
+        result = self.actions.abort(name)
+        return result.blocks_freed if result.outcome == "executed" else None
+
+    def empty_cache(self, now_ns: int) -> int | None:
+        """The ``empty_cache`` command: bytes returned to the device, None without CUDA here."""
+        result = self.actions.empty_cache()
+        return result.bytes_released if result.outcome == "executed" else None

@@ -36,6 +36,19 @@ class Action(StrEnum):
     # cap the per-step token budget (vLLM: ``max_num_batched_tokens``) at ``units_needed`` tokens for
     # ``max_moves`` steps (0: until released); ``units_needed`` 0 releases. Bounds activation and logits peaks.
     BATCH_CAP = "batch_cap"
+    # hold admissions: no waiting (or preempted) request whose prompt is longer than ``units_needed``
+    # tokens is admitted; ``units_needed`` 0 holds every admission (a drain: running requests finish);
+    # for ``max_moves`` non-empty steps (0: until a ``release``). Held requests stay queued, nothing fails.
+    HOLD = "hold"
+    RELEASE = "release"  # end a ``hold`` (a drain included)
+    # end the targets' requests now with an error their clients see (vLLM: finish_reason "error",
+    # retryable); their blocks are freed. A request that already finished is a no-op.
+    ABORT = "abort"
+    # return cached allocator segments that hold no allocation to the device (torch.cuda.empty_cache()).
+    # PyTorch already does this itself before it raises an OOM (a failed cudaMalloc frees the cached
+    # blocks and retries), so it does not prevent an allocator OOM; it gives memory back to other users
+    # of the device (NCCL, cuBLAS workspaces, another process).
+    EMPTY_CACHE = "empty_cache"
 
 
 class Mode(StrEnum):

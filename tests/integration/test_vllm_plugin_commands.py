@@ -89,3 +89,67 @@ def test_a_command_for_an_idle_engine_is_acked_failed_with_the_reason():
         assert "idle" in consumer.acks[0].errors[0]
     finally:
         consumer.stop()
+
+
+def signed(plugin, action: Action, command_id: str, *, units: int = 0, targets: tuple[int, ...] = ()) -> Command:
+    now = time.time_ns()
+    return sign(Command(id=command_id, node=plugin.node, action=action, targets=tuple(Target(r) for r in targets),
+                        granularity=Granularity.REQUEST, handling=HandlingChoice.RECOMPUTE, reason="test",
+                        mode=Mode.DEFAULT, variant="request/lru/sync/recompute/hard", issued_at_ns=now,
+                        ttl_ns=30 * 10**9, units_needed=units, epoch=plugin.translator.epoch), SECRET.encode())
+
+
+def run_until_acked(rig: Rig, consumer, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(consumer.acks) < n and time.monotonic() < deadline:
+        rig.step()
+        time.sleep(0.01)
+    assert len(consumer.acks) >= n, f"{len(consumer.acks)} of {n} acks within 10 s"
+
+
+def test_hold_release_and_abort_commands_from_the_bus_change_vllms_scheduling_and_the_mirror_follows():
+    rig = Rig(600)
+    rig.add("runner", 200, max_tokens=400)
+    rig.step()
+    settings, bus, consumer = started(rig)
+    try:
+        send(settings, bus, consumer, signed(rig.plugin, Action.HOLD, "hold-1", units=1000))
+        run_until_acked(rig, consumer, 1)
+        assert consumer.acks[0].outcome is AckOutcome.EXECUTED
+        rig.add("long", 3000, max_tokens=4)
+        rig.add("short", 300, max_tokens=4)
+        for _ in range(5):
+            rig.step()
+        waiting = {r.request_id for r in rig.sched.waiting}
+        assert "long" in waiting and "short" not in waiting  # the short prompt passed the held long one
+        send(settings, bus, consumer, signed(rig.plugin, Action.RELEASE, "release-1"))
+        run_until_acked(rig, consumer, 2)
+        for _ in range(5):
+            rig.step()
+        assert "long" not in {r.request_id for r in rig.sched.waiting}
+        runner = rig.plugin.translator.req("runner")
+        send(settings, bus, consumer, signed(rig.plugin, Action.ABORT, "abort-1", targets=(runner,)))
+        run_until_acked(rig, consumer, 3)
+        ack = consumer.acks[2]
+        assert ack.outcome is AckOutcome.EXECUTED and ack.units_freed > 0
+        for _ in range(3):
+            rig.step()
+        assert "runner" not in rig.sched.requests  # vLLM finished it (FINISHED_ERROR: its client sees an error)
+        rig.check_equal()
+        assert [a.command_id for a in consumer.acks] == ["hold-1", "release-1", "abort-1"]
+    finally:
+        consumer.stop()
+
+
+def test_empty_cache_without_cuda_in_the_process_is_acked_noop_with_the_reason():
+    rig = Rig(600)
+    rig.add("r", 100, max_tokens=50)
+    rig.step()
+    settings, bus, consumer = started(rig)
+    try:
+        send(settings, bus, consumer, signed(rig.plugin, Action.EMPTY_CACHE, "ec-1"))
+        run_until_acked(rig, consumer, 1)
+        ack = consumer.acks[0]
+        assert ack.outcome is AckOutcome.NOOP and "no CUDA" in ack.errors[0]
+    finally:
+        consumer.stop()
