@@ -27,33 +27,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvguard.streams.predictor import ModelError, ModelFeatureMismatch
+from kvguard.streams.tick_model import is_tick_model, load_tick_model
+
 MODEL_FORMAT = "kvguard-oom-lstm/1"
 DEFAULT_MODEL_DIR = Path(__file__).with_name("models")
 DEFAULT_MODEL_NAME = "oom_lstm"
-
-
-class ModelError(ValueError):
-    """A model artifact is missing, unreadable or inconsistent; names the file and the field."""
-
-
-class ModelFeatureMismatch(ModelError):
-    """The model was trained on other tick features than the ones the caller provides."""
-
-    def __init__(self, path: str, model_features: list[str], expected_features: list[str]):
-        self.path = path
-        self.missing = [f for f in expected_features if f not in model_features]
-        self.extra = [f for f in model_features if f not in expected_features]
-        detail = []
-        if self.extra:
-            detail.append(f"model has features the stream does not compute: {self.extra}")
-        if self.missing:
-            detail.append(f"stream computes features the model was not trained on: {self.missing}")
-        if not detail:
-            first = next(i for i, (a, b) in enumerate(zip(model_features, expected_features)) if a != b)
-            detail.append(f"same features in another order (position {first}: model {model_features[first]!r}, "
-                          f"stream {expected_features[first]!r})")
-        super().__init__(f"{path}: feature_names do not match FEATURE_NAMES: " + "; ".join(detail)
-                         + ". Retrain with `kvguard dataset` + `kvguard train`.")
 
 
 Z_CLIP = 10.0  # |z| beyond this is out of the training range: clipped, never extrapolated
@@ -181,7 +160,10 @@ def load_model(path: str | Path | None = None, *, expected_features: list[str] |
 
     ``threads`` sets torch's (process-wide) CPU thread count: inference is small and the cores are shared.
     """
-    weights, meta_path = _paths(path if path is not None else DEFAULT_MODEL_DIR)
+    target = path if path is not None else DEFAULT_MODEL_DIR
+    if is_tick_model(target):  # the shipped default, or a `kvguard train --model boosting` artifact
+        return load_tick_model(target, expected_features=expected_features)
+    weights, meta_path = _paths(target)
     for p in (weights, meta_path):
         if not p.exists():
             raise ModelError(f"{p}: model file not found (build the shipped one with "

@@ -31,6 +31,30 @@ class Predictor(Protocol):
         ...
 
 
+class ModelError(ValueError):
+    """A model artifact is missing, unreadable or inconsistent; names the file and the field."""
+
+
+class ModelFeatureMismatch(ModelError):
+    """The model was trained on other tick features than the ones the caller provides."""
+
+    def __init__(self, path: str, model_features: list[str], expected_features: list[str]):
+        self.path = path
+        self.missing = [f for f in expected_features if f not in model_features]
+        self.extra = [f for f in model_features if f not in expected_features]
+        detail = []
+        if self.extra:
+            detail.append(f"model has features the stream does not compute: {self.extra}")
+        if self.missing:
+            detail.append(f"stream computes features the model was not trained on: {self.missing}")
+        if not detail:
+            first = next(i for i, (a, b) in enumerate(zip(model_features, expected_features)) if a != b)
+            detail.append(f"same features in another order (position {first}: model {model_features[first]!r}, "
+                          f"stream {expected_features[first]!r})")
+        super().__init__(f"{path}: feature_names do not match FEATURE_NAMES: " + "; ".join(detail)
+                         + ". Retrain with `kvguard dataset` + `kvguard train`.")
+
+
 class PredictorMismatch(ValueError):
     """The predictor was trained on other features than the stream computes."""
 

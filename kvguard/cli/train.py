@@ -27,9 +27,11 @@ def train_command(
     seed: int = typer.Option(0, "--seed", help="Seed for weight init and chunk order."),
     threads: int = typer.Option(1, "--threads", help="torch CPU threads (the machine is shared: keep it small)."),
     save_data: Path = typer.Option(None, "--save-data", help="Also save the simulated dataset here (.npz + .json)."),
+    model: str = typer.Option("lstm", "--model", help="lstm (2-layer LSTM over 30 minutes of ticks) or boosting "
+                              "(gradient-boosted trees over one tick, the held-out winner; exported to arrays)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ) -> None:
-    """Train the OOM predictor (2-layer LSTM, hidden 64, 30-minute window) and save the model artifact."""
+    """Train the OOM predictor (an LSTM, or gradient-boosted trees) and save the model artifact."""
     from rich.console import Console
 
     from kvguard.cli.dataset import build_with_progress, progress_bar, resolve_specs
@@ -48,6 +50,15 @@ def train_command(
     except (DatasetError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
+    if model not in ("lstm", "boosting"):
+        typer.echo(f"error: --model {model!r}: expected lstm or boosting", err=True)
+        raise typer.Exit(2)
+    command = ("kvguard train " + (f"--data {data}" if data else f"--preset {preset}") + f" --seed {seed}"
+               + (f" --model {model}" if model != "lstm" else "") + (f" --epochs {epochs}" if epochs else ""))
+    if model == "boosting":
+        _train_trees(ds, seed, out, as_json, console, {"data": str(data) if data else None,
+                                                      "preset": None if data else preset, "command": command})
+        return
     config = TrainConfig(seed=seed, threads=threads)
     if epochs is not None:
         config.epochs = epochs
@@ -59,15 +70,38 @@ def train_command(
 
         result = train(ds, config, progress=report)
     result.metadata.training["source"] = {"data": str(data) if data else None,
-                                          "preset": None if data else preset,
-                                          "command": "kvguard train " + (f"--data {data}" if data else
-                                                                         f"--preset {preset}")
-                                          + f" --seed {seed}" + (f" --epochs {epochs}" if epochs else "")}
+                                          "preset": None if data else preset, "command": command}
     weights, meta_path = save_model(result.net, result.metadata, out)
     summary = dict(describe(result.metadata), weights=str(weights), metadata=str(meta_path),
                    parameters=count_parameters(result.net), weights_bytes=weights.stat().st_size,
                    train_seconds=round(result.seconds, 1),
                    history=result.history)
+    if as_json:
+        typer.echo(json.dumps(summary))
+    else:
+        console.print_json(json.dumps(summary))
+
+
+def _train_trees(ds, seed: int, out: Path, as_json: bool, console, source: dict) -> None:
+    import time
+
+    from kvguard.ml.tick_training import train_tick_model
+    from kvguard.streams.tick_model import save_tick_model
+
+    started = time.monotonic()
+    with console.status("fitting gradient-boosted trees on the train runs' scored ticks"):
+        try:
+            predictor = train_tick_model(ds, seed=seed)
+        except ValueError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2)
+    predictor.metadata.training["source"] = source
+    npz, meta_path = save_tick_model(predictor.trees, predictor.metadata, out)
+    meta = predictor.metadata
+    summary = {"model": "boosting", "version": meta.version, "threshold": round(meta.threshold, 6),
+               "features": len(meta.feature_names), "trees": meta.metrics["trees"], "nodes": meta.metrics["nodes"],
+               "arrays": str(npz), "metadata": str(meta_path), "arrays_bytes": npz.stat().st_size,
+               "train_seconds": round(time.monotonic() - started, 1), "trained_with": meta.trained_with}
     if as_json:
         typer.echo(json.dumps(summary))
     else:

@@ -50,9 +50,10 @@ def _estimators(seed: int) -> dict:
     }
 
 
-def fit_tick_models(ds: TickDataset, *, seed: int = 0, max_fpr: float = 0.05) -> dict[str, TickModel]:
-    """Fit every per-tick baseline on ``ds``'s scored train ticks; thresholds from its val ticks
-    (train ticks when it has no val runs)."""
+def fit_tick_models(ds: TickDataset, *, seed: int = 0, max_fpr: float = 0.05,
+                    names: tuple[str, ...] | None = None) -> dict[str, TickModel]:
+    """Fit every per-tick baseline (or those ``names``) on ``ds``'s scored train ticks; thresholds
+    from its val ticks (train ticks when it has no val runs)."""
     train_rows = ds.scored_rows_in("train")
     y = ds.labels[train_rows].astype(int)
     if not 0 < y.sum() < len(y):
@@ -64,6 +65,8 @@ def fit_tick_models(ds: TickDataset, *, seed: int = 0, max_fpr: float = 0.05) ->
     x = np.where(np.isfinite(ds.features[train_rows]), ds.features[train_rows], 0.0)
     models = {}
     for name, estimator in _estimators(seed).items():
+        if names is not None and name not in names:
+            continue
         estimator.fit(x, y)
         model = TickModel(name, estimator, 0.5)
         model.threshold = threshold_for_fpr(ds.labels[calib_rows], model.score(ds.features[calib_rows]), max_fpr)

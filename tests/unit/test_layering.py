@@ -36,10 +36,10 @@ OLD_TOP_LEVEL = ("producers", "streams", "policy", "actuators", "tests.rigs")
 # Everything else in a wing is internal to it.
 PUBLIC = {
     "kvguard.producers": {"engine", "fleet", "profiles", "workloads", "publisher", "vllm_engine"},
-    "kvguard.streams": {"alerts", "core", "embedded", "lstm", "metrics", "mirror", "outputs", "predictor"},
+    "kvguard.streams": {"alerts", "core", "embedded", "lstm", "metrics", "mirror", "outputs", "predictor", "tick_model"},
     "kvguard.policy": {"engine", "service", "strategy", "budget", "slo"},
     "kvguard.actuators": {"actuator", "executor"},
-    "kvguard.ml": {"dataset", "evaluation", "training", "baselines"},
+    "kvguard.ml": {"dataset", "evaluation", "training", "baselines", "tick_training", "fleet_risk"},
     "kvguard.ops": {"exporter", "rca", "demo_report", "export_service", "static_sweep", "timeline_report"},
 }
 
