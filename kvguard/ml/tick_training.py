@@ -6,9 +6,10 @@ scored ticks of the train runs, threshold FPR <= 5 % on the scored ticks of the 
 shipped is the model the protocol measured. The export reads the fitted trees of scikit-learn's
 ``HistGradientBoostingClassifier`` (``_predictors``: per iteration one ``TreePredictor`` whose ``nodes``
 record array holds value, feature_idx, num_threshold, missing_go_to_left, left, right, is_leaf) and
-its ``_baseline_prediction``; those are private attributes, so the scikit-learn version is pinned in
-pyproject.toml and ``export_trees`` refuses a model with categorical splits or more than one tree per
-iteration, and the exported model is checked against ``predict_proba`` before it is saved.
+its ``_baseline_prediction``; those are private attributes, so ``export_trees`` refuses a model with
+categorical splits or more than one tree per iteration, and every export is checked against
+``predict_proba`` before it is saved (a scikit-learn release that changes the layout fails at training,
+never at inference: the stream worker needs no scikit-learn). Tested with scikit-learn 1.9.
 """
 
 from __future__ import annotations
