@@ -5,9 +5,10 @@
 * ``summary.json`` — what ``kvguard demo --json`` prints;
 * ``report.md`` — the comparison table, the headline ratios, the workload and what kvguard did;
 * ``timeline.png`` — U_kv, F_ext and Ψ per GPU over time, baseline left, closed loop right, with
-  every OOM marked; past ``SMALL_FLEET`` GPUs, where lines would be unreadable, heatmaps instead
-  (one row per GPU: U_kv, and P(OOM) when the run has a predictor; OOMs marked, the colour bar
-  marks the critical U_kv line);
+  every OOM (red x) and every executed command (black |) marked and the tiers' thresholds drawn;
+  past ``SMALL_FLEET`` GPUs, where lines would be unreadable, heatmaps instead (one row per GPU:
+  U_kv, and P(OOM) when the run has a predictor; OOMs and commands marked on each GPU's row, the
+  colour bar marks the critical U_kv line);
 * ``outcomes.png`` — OOMs, preemptions, goodput and TTFT p99 side by side.
 
 matplotlib is imported inside the function (Agg backend), never at import time.
@@ -23,10 +24,12 @@ import numpy as np
 
 from kvguard.contracts.tiers import AlertThresholds
 from kvguard.contracts.units import NS_PER_S
+from kvguard.policy.strategy import Strategy
 
 ROWS = (("u_kv", 1, "U_kv"), ("f_ext", 2, "F_ext"), ("psi", 3, "Ψ"))
 SMALL_FLEET = 8  # more GPUs than this: heatmaps, not one line per GPU
 U_KV_CRITICAL = AlertThresholds().u_kv_critical  # the threshold tier's line, marked on the colour bar
+F_EXT_TRIGGER = Strategy.__dataclass_fields__["f_ext_trigger"].default  # the policy's fragmentation trigger
 TABLE_KEYS = ("requests", "completed", "failed", "rejected", "unfinished", "ooms", "preemptions", "ttft_p50_s",
               "ttft_p99_s", "tpot_p99_s", "goodput_tokens_per_s", "downtime_s")
 
@@ -62,10 +65,17 @@ def _timeline(path: Path, baseline: Any, guarded: Any) -> None:
                 ooms = run.oom_times.get(node, [])
                 if ooms and row == 0:
                     ax.plot([t / 60 for t in ooms], [1.02] * len(ooms), "rx", ms=6)
+                commands = _commands(run, node)
+                if commands and row == 0:
+                    ax.plot([t / 60 for t, _ in commands], [-0.02] * len(commands), "k|", ms=7)
             if row == 0:
                 total = sum(len(v) for v in run.oom_times.values())
+                sent = sum(len(v) for v in _all_commands(run))
                 ax.set_title(f"{'baseline engine' if col == 0 else 'kvguard closed loop'} "
-                             f"({total} ticks with an OOM, marked x)")
+                             f"({total} ticks with an OOM, x; {sent} commands, |)", fontsize=10)
+                ax.axhline(U_KV_CRITICAL, color="red", lw=0.6, ls=":")
+            if index == 2:
+                ax.axhline(F_EXT_TRIGGER, color="grey", lw=0.6, ls=":")
             if index == 3:
                 ax.axhline(1.0, color="grey", lw=0.6, ls="--")
             ax.set_ylabel(label)
@@ -103,14 +113,28 @@ def _heatmaps(plt, path: Path, baseline: Any, guarded: Any) -> None:
                 ooms = run.oom_times.get(node, [])
                 if ooms:
                     ax.scatter([t / 60 for t in ooms], [r] * len(ooms), marker="x", color="red", s=12, zorder=3)
+                commands = _commands(run, node)
+                if commands:
+                    ax.scatter([t / 60 for t, _ in commands], [r] * len(commands), marker="|", color="white",
+                               s=10, lw=0.6, zorder=2)
             total = sum(len(v) for v in run.oom_times.values())
-            ax.set_title(f"{title}: {label} per GPU ({total} ticks with an OOM, red x)", fontsize=9)
+            sent = sum(len(v) for v in _all_commands(run))
+            ax.set_title(f"{title}: {label} per GPU ({total} ticks with an OOM, red x; {sent} commands, white |)",
+                         fontsize=9)
             ax.set_ylabel(f"{len(nodes)} GPUs")
             ax.set_yticks([])
         axes[-1][col].set_xlabel("simulated minutes")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _commands(run: Any, node: str) -> list[tuple[float, str]]:
+    return getattr(run, "commands", {}).get(node, [])
+
+
+def _all_commands(run: Any):
+    return getattr(run, "commands", {}).values()
 
 
 def _outcomes(path: Path, result: dict) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvguard.bus.inproc import InprocBus
+from kvguard.contracts.commands import AckOutcome
 from kvguard.contracts.units import NS_PER_S
 from kvguard.ops.static_sweep import tuned_knobs
 from kvguard.producers.profiles import load_profile, prompt_cap_tokens
@@ -47,6 +48,7 @@ class RunResult:
     series: dict[str, list[tuple]] = field(default_factory=dict)  # node -> (ts_s, u_kv, f_ext, psi, p_oom)
     oom_times: dict[str, list[float]] = field(default_factory=dict)
     actions: dict[str, Counter] = field(default_factory=dict)
+    commands: dict[str, list[tuple[float, str]]] = field(default_factory=dict)  # node -> (ts_s, action) executed
     wall_seconds: float = 0.0
 
 
@@ -124,6 +126,8 @@ async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: fl
                     if slo is not None:
                         slo.observe_ack(ack)
                     actions[node][f"{ack.action}:{ack.outcome.value}"] += 1
+                    if ack.outcome is AckOutcome.EXECUTED:
+                        result.commands.setdefault(node, []).append((engines[node].now_ns / NS_PER_S, ack.action))
                     bus.append(topics.name("acks"), node, ack.to_bytes(), make_headers("acks", node))
                 await record.commit()
         if view is not None:

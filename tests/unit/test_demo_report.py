@@ -10,14 +10,16 @@ from kvguard.ops import demo_report
 from kvguard.runtime.embedded import RunResult
 
 
-def run(label: str, gpus: int, oom_every: int) -> RunResult:
-    series, ooms = {}, {}
+def run(label: str, gpus: int, oom_every: int, command_every: int = 0) -> RunResult:
+    series, ooms, commands = {}, {}, {}
     for g in range(gpus):
         node = f"sim-0/gpu{g}"
         series[node] = [(t * 10.0, min(1.0, 0.3 + 0.001 * t * (g % 7)), 0.1, 0.5, 0.01 * (t % 50)) for t in range(60)]
         if g % oom_every == 0:
             ooms[node] = [300.0]
-    return RunResult(label, {"gpus": gpus, "ooms": len(ooms)}, series=series, oom_times=ooms)
+        if command_every and g % command_every == 0:
+            commands[node] = [(200.0, "evict"), (250.0, "batch_cap")]
+    return RunResult(label, {"gpus": gpus, "ooms": len(ooms)}, series=series, oom_times=ooms, commands=commands)
 
 
 @pytest.mark.parametrize("gpus", [4, 100])
@@ -33,3 +35,35 @@ def test_the_report_draws_every_gpu_at_any_fleet_size(tmp_path, monkeypatch, gpu
     assert drawn == (["heatmap"] if gpus > demo_report.SMALL_FLEET else [])
     assert json.loads((out / "summary.json").read_text())["arms"]["kvguard"]["ooms"] == 0
     assert "## Arms" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("gpus", [4, 100])
+def test_every_executed_command_is_marked_on_its_gpu(tmp_path, monkeypatch, gpus):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    marks = []
+    real_plot, real_scatter = Axes.plot, Axes.scatter
+
+    def plot(self, *args, **kwargs):
+        if len(args) >= 3 and args[2] == "k|":
+            marks.extend(args[0])
+        return real_plot(self, *args, **kwargs)
+
+    def scatter(self, x, y, *args, **kwargs):
+        if kwargs.get("marker") == "|":
+            marks.extend(x)
+        return real_scatter(self, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", plot)
+    monkeypatch.setattr(Axes, "scatter", scatter)
+    baseline, guarded = run("baseline", gpus, 3), run("guarded", gpus, 50, command_every=2)
+    result = {"baseline": baseline.summary, "guarded": guarded.summary, "workload": {"name": "mixed"}}
+    demo_report.write_report(tmp_path / "r", result, baseline, guarded)
+    sent = sum(len(v) for v in guarded.commands.values())
+    # line plots mark commands on the U_kv row; heatmaps on each of their rows (U_kv and P(OOM))
+    rows = 1 if gpus <= demo_report.SMALL_FLEET else 2
+    assert len(marks) == sent * rows
+    assert sorted(set(marks)) == [200.0 / 60, 250.0 / 60]

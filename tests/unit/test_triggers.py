@@ -58,5 +58,8 @@ def test_a_strategy_off_the_presets_runs_end_to_end_on_the_closed_loop():
     kv = result.summary["kvguard"]
     assert kv["policy"]["evict_commands"] > 0 and kv["actuators"]["executed"] > 0
     assert kv["actuators"]["rejected_signature"] == 0 and kv["actuators"]["malformed"] == 0
+    # every executed command is kept with its time, for the report's timeline marks
+    assert sum(len(v) for v in result.commands.values()) == kv["actuators"]["executed"]
+    assert all(0 < t <= 240.0 for v in result.commands.values() for t, _ in v)
     assert graph.engine_config.default.key == (Granularity.REQUEST, Selection.PRIORITY, Timing.SYNC,
                                                HandlingChoice.RECOMPUTE, Trigger.HARD)
