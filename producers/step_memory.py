@@ -475,6 +475,13 @@ def _sampler(o: _Ops, s: ModelShape, rows: int, batch_kind: str, top_k: int,
         o.free(f32)
 
 
+def prompt_logprobs_bytes_per_token(s: ModelShape) -> int:
+    """What one prompt position of a request asking for prompt logprobs allocates outside the profiled
+    peak (``_prompt_logprobs``): its logits row (padded vocab, model dtype) and its float32 log-softmax
+    row, plus its token id. The logprob guard (``producers.vllm_engine``, the plugin) sizes steps by it."""
+    return s.padded_vocab * s.dtype_bytes + s.vocab_size * 4 + 8
+
+
 def _prompt_logprobs(o: _Ops, s: ModelShape, prompt_lens, logits_counts) -> None:
     """gpu_model_runner._get_prompt_logprobs_dict: per request, logits and log_softmax."""
     previous: list[str] = []

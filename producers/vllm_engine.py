@@ -70,7 +70,7 @@ from kvguard.producers.engine import GRANULARITIES, RunningView, RunSummary, Seq
 from kvguard.producers.kv_blocks import prompt_block_keys
 from kvguard.producers.profiles import Profile
 from kvguard.producers.scheduler import VLLM_VERSION_FOLLOWED, SchedulerConfig, SeqStatus
-from kvguard.producers.step_memory import Batch
+from kvguard.producers.step_memory import Batch, prompt_logprobs_bytes_per_token
 from kvguard.producers.vllm_engine_fused import fused_decode
 from kvguard.producers.vllm_engine_kv import BlockPoolView, EngineScheduler, EventRecorder
 from kvguard.producers.vllm_engine_memory import StepOOM, WorkerMemory
@@ -82,6 +82,7 @@ _ARRIVE, _FINISH, _OOM, _RESET = int(EventKind.ARRIVE), int(EventKind.FINISH), i
 _FILL, _STEP = int(EventKind.FILL), int(EventKind.STEP)
 _COMPLETED, _FAILED, _REJECTED = int(Outcome.COMPLETED), int(Outcome.FAILED_OOM), int(Outcome.REJECTED)
 _ABORTED = int(Outcome.ABORTED)
+LOGPROBS_GUARD_MIN_TOKENS = 16  # the guard never stops a prefill: at least this many tokens per step
 
 
 @dataclass(slots=True)
@@ -91,6 +92,11 @@ class VllmEngineConfig:
     max_fused_steps: int = 256
     fast_memory: bool = True  # skip allocator replays that provably repeat (vllm_engine_memory)
     prompt_logprobs_frac: float = 0.0  # share of requests asking for prompt logprobs (echo + logprobs)
+    # kvguard's node-side logprob guard: while a request asking for prompt logprobs still has prompt
+    # tokens to compute, each step's token budget is capped so that its logits fit the allocator's
+    # headroom (device free + cached-but-unallocated bytes, less ``logprobs_guard_margin_bytes``)
+    logprobs_guard: bool = False
+    logprobs_guard_margin_bytes: int = 256 << 20
 
 
 @dataclass(slots=True)
@@ -151,6 +157,8 @@ class VllmEngine:
         self._batch_cap_steps = 0  # non-empty steps the cap still lasts (0: until released)
         self._hold_cap: int | None = None  # admission hold an actuator set: prompts over this many tokens (0: all)
         self._hold_steps = 0  # non-empty steps the hold still lasts (0: until released)
+        self._logprobs_bytes_per_token = prompt_logprobs_bytes_per_token(self.spec.shape)
+        self.logprobs_guard_steps = 0  # steps whose budget the logprob guard lowered
         self._quiet = False
         self.last_step_ns = -1
         # outcomes (the seed engine's names and meanings)
@@ -290,10 +298,13 @@ class VllmEngine:
         sched.preempted_in_step = 0
         kv.admitted = []
         running_before = len(sched.running)
-        if self._hold_cap is None:
-            out = sched.schedule()
-        else:
-            out = self._schedule_holding(sched)
+        budget = sched.max_num_scheduled_tokens
+        if self.config.logprobs_guard and self._prompt_logprobs:
+            self._guard_logprobs(sched)
+        try:
+            out = sched.schedule() if self._hold_cap is None else self._schedule_holding(sched)
+        finally:
+            sched.max_num_scheduled_tokens = budget
         tokens = out.num_scheduled_tokens
         if not tokens:
             self._quiet = False
@@ -329,6 +340,24 @@ class VllmEngine:
         self._quiet = (not sched.preempted_in_step and seqs == len(out.sampling_ids) == running_before + len(kv.admitted)
                        and (not waiting or (not kv.admitted and total == seqs and not finished)))
         return True
+
+    def _guard_logprobs(self, sched) -> None:
+        """Cap this step's token budget so that prompt-logprob logits fit what the allocator can still
+        get (vLLM's own workaround, vllm#5424: bound the tokens per batch; here only while such a request
+        prefills). Two requests' logits can be live at once (the rebind in ``_prompt_logprobs``): half
+        the headroom per step."""
+        requests = sched.requests
+        if not any(rid in requests and requests[rid].num_computed_tokens < requests[rid].num_prompt_tokens
+                   for rid in self._prompt_logprobs):
+            return
+        stats = self.memory.stats()
+        headroom = (stats["device_free_bytes"] + stats["reserved_bytes"] - stats["allocated_bytes"]
+                    - self.config.logprobs_guard_margin_bytes)
+        cap = max(LOGPROBS_GUARD_MIN_TOKENS, headroom // (2 * self._logprobs_bytes_per_token))
+        if cap < sched.max_num_scheduled_tokens:
+            sched.max_num_scheduled_tokens = int(cap)
+            self.logprobs_guard_steps += 1
+            self._quiet = False
 
     def _schedule_holding(self, sched):
         """``schedule()`` with the held requests out of the waiting queue, put back in their order

@@ -107,6 +107,7 @@ class PluginConfig:
     snapshot_every_s: float = 60.0
     cuda_stats_every_ms: float = 100.0
     cuda_segments_every_s: float = 5.0
+    logprobs_guard: bool = True  # size steps so prompt-logprob logits fit the CUDA headroom (vllm_plugin_actions)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginConfig:
@@ -118,7 +119,9 @@ class PluginConfig:
                    events_out=env.get("KVGUARD_EVENTS_OUT") or None,
                    snapshot_every_s=float(env.get("KVGUARD_SNAPSHOT_EVERY_S", 60.0)),
                    cuda_stats_every_ms=float(env.get("KVGUARD_CUDA_STATS_EVERY_MS", 100.0)),
-                   cuda_segments_every_s=float(env.get("KVGUARD_CUDA_SEGMENTS_EVERY_S", 5.0)))
+                   cuda_segments_every_s=float(env.get("KVGUARD_CUDA_SEGMENTS_EVERY_S", 5.0)),
+                   logprobs_guard=env.get("KVGUARD_LOGPROBS_GUARD", "1").strip().lower() not in ("0", "false", "no",
+                                                                                                 "off"))
 
 
 # ---------------------------------------------------------------- sinks
@@ -248,6 +251,20 @@ def kv_bytes_per_token(scheduler: Any) -> int:
         return 1
 
 
+def prompt_logprobs_bytes(scheduler: Any) -> int | None:
+    """Bytes one prompt position of a prompt-logprobs request allocates in vLLM's model runner: its
+    logits row (vocab padded to 64, the model's dtype), its float32 log-softmax row and its token id
+    (``producers.step_memory.prompt_logprobs_bytes_per_token``); None when the config does not say."""
+    try:
+        model = scheduler.vllm_config.model_config
+        vocab = int(model.get_vocab_size())
+        itemsize = int(model.dtype.itemsize)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    padded = -(-vocab // 64) * 64
+    return padded * itemsize + vocab * 4 + 8
+
+
 def _import_torch() -> Any:
     try:
         import torch  # heavy: loaded already inside vLLM
@@ -279,6 +296,8 @@ class VllmPlugin:
             priority_policy=getattr(scheduler.policy, "name", "") == "PRIORITY",
             snapshot_every_s=self.config.snapshot_every_s)
         self.actions = VllmActions(scheduler, self.translator, torch_module=torch)
+        if self.config.logprobs_guard:
+            self.actions.logprobs_bytes_per_token = prompt_logprobs_bytes(scheduler)
         self.memory = CudaMemoryObserver(self.translator, torch, stats_every_ms=self.config.cuda_stats_every_ms,
                                          segments_every_s=self.config.cuda_segments_every_s)
         self.attachment = Attachment(scheduler, self.translator, actions=self.actions, memory=self.memory)

@@ -27,7 +27,13 @@ or an internal the scheduler itself uses for the same purpose (named per action)
   when it admits a waiting or preempted request) is raised by ``blocks`` (0 restores vLLM's own);
 - ``empty_cache()``: ``torch.cuda.empty_cache()`` when this process has initialised CUDA (the
   worker runs in the engine process: ``UniProcExecutor``, one GPU); otherwise a no-op that says so;
-- ``drain()`` / ``release()``: hold every admission until released; running requests finish.
+- ``drain()`` / ``release()``: hold every admission until released; running requests finish;
+- the logprob guard (on unless ``KVGUARD_LOGPROBS_GUARD=0``): while a request whose
+  ``sampling_params.prompt_logprobs`` is set still has prompt tokens to compute, each ``schedule()``
+  starts from a token budget whose logits rows fit the CUDA headroom (``torch.cuda.mem_get_info``
+  free bytes plus reserved-but-unallocated ones, less a margin; two requests' rows can be live at
+  once, so half of it) — vLLM's own workaround for these OOMs (vllm#5424: bound the tokens per
+  batch), applied only while it is needed. Inert without CUDA in the process.
 
 ``submit(fn)`` is the thread-safe way in (the command consumer's thread); ``before_schedule``
 runs what was submitted. ``ExecutorEngine`` gives kvguard's ``Executor`` (actuators.executor) the
@@ -78,6 +84,9 @@ class VllmActions:
         self._saved_pause: Any = None
         self._saved_budget: int | None = None
         self._paused_new: Any = None
+        self.logprobs_bytes_per_token: int | None = None  # set by the plugin: the guard is on
+        self.logprobs_margin_bytes = 256 << 20
+        self.logprobs_guard_steps = 0
 
     # ---------------------------------------------------------------- threading
     def submit(self, fn: Callable[[], Any]) -> None:
@@ -189,6 +198,8 @@ class VllmActions:
         if self.batch_cap is not None:
             self._saved_budget = sched.max_num_scheduled_tokens
             sched.max_num_scheduled_tokens = min(self._saved_budget, self.batch_cap)
+        if self.logprobs_bytes_per_token:
+            self._guard_logprobs(sched)
         if self.hold_cap is None:
             return
         if self.hold_cap == 0:
@@ -204,6 +215,29 @@ class VllmActions:
         self._held = [r for r in waiting if r.num_prompt_tokens > cap]
         if self._held:
             waiting.remove_requests(self._held)
+
+    def _guard_logprobs(self, sched: Any) -> None:
+        if not any(_prefills_prompt_logprobs(r) for r in sched.running) and \
+                not any(_prefills_prompt_logprobs(r) for r in sched.waiting):
+            return
+        headroom = self.cuda_headroom()
+        if headroom is None:
+            return
+        cap = max(16, (headroom - self.logprobs_margin_bytes) // (2 * self.logprobs_bytes_per_token))
+        if cap < sched.max_num_scheduled_tokens:
+            if self._saved_budget is None:
+                self._saved_budget = sched.max_num_scheduled_tokens
+            sched.max_num_scheduled_tokens = int(cap)
+            self.logprobs_guard_steps += 1
+
+    def cuda_headroom(self) -> int | None:
+        """Bytes a new allocation can still get: the device's free memory plus what the caching
+        allocator holds unallocated (it frees that and retries before an OOM). None without CUDA."""
+        torch = self.torch
+        if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return None
+        free, _total = torch.cuda.mem_get_info()
+        return int(free) + int(torch.cuda.memory_reserved()) - int(torch.cuda.memory_allocated())
 
     def after_schedule(self) -> None:
         sched = self.scheduler
@@ -241,6 +275,12 @@ class VllmActions:
             self.hold_steps -= 1
             if self.hold_steps <= 0:
                 self.hold_cap = self.hold_steps = None
+
+
+def _prefills_prompt_logprobs(request: Any) -> bool:
+    params = getattr(request, "sampling_params", None)
+    return (params is not None and getattr(params, "prompt_logprobs", None) is not None
+            and request.num_computed_tokens < request.num_prompt_tokens)
 
 
 class _PoolFacade:

@@ -60,10 +60,11 @@ class EventLogFailed(OSError):
 def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = None, rate_scale: float = 1.0,
                    profile_name: str | None = None, seed: int = 0, events_out: Path | None = None,
                    drain: bool = True, flush_s: float = 10.0, progress=None, knobs=None,
-                   prompt_logprobs_frac: float = 0.0) -> dict:
+                   prompt_logprobs_frac: float = 0.0, logprobs_guard: bool = False) -> dict:
     """The command's core, callable from Python: returns the JSON summary as a dict. ``knobs``: an
     ``EngineKnobs`` over the (vLLM) profile; ``prompt_logprobs_frac``: the share of requests asking
-    for prompt logprobs (``echo`` + ``logprobs``, as lm-eval-harness's loglikelihood tasks do)."""
+    for prompt logprobs (``echo`` + ``logprobs``, as lm-eval-harness's loglikelihood tasks do);
+    ``logprobs_guard``: kvguard's node-side logprob guard on (vLLM profiles)."""
     from kvguard.contracts.units import NS_PER_S
     from kvguard.producers.fleet import Fleet
     from kvguard.producers.profiles import ProfileError, load_profile, prompt_cap_tokens
@@ -78,7 +79,10 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
     # vLLM engine takes them as they are and rejects those over max_model_len, as vLLM does
     wl = load_workload(workload, rate_scale=rate_scale, window=duration_s, seed=seed,
                        max_prompt_tokens=prompt_cap_tokens(profile))
-    config = VllmEngineConfig(prompt_logprobs_frac=prompt_logprobs_frac) if profile.engine == "vllm" else None
+    if logprobs_guard and profile.engine != "vllm":
+        raise ProfileError(profile.name, "engine", "'vllm' for --logprobs-guard (the seed engine has no sampler)")
+    config = VllmEngineConfig(prompt_logprobs_frac=prompt_logprobs_frac, logprobs_guard=logprobs_guard) \
+        if profile.engine == "vllm" else None
     fleet = Fleet(gpus, profile, seed=seed, config=config)
     fleet.submit_workload(wl)
     last_arrival_ns = wl.requests[-1].arrival_ns if wl.requests else 0
@@ -123,7 +127,10 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
     out["sim_speed_x"] = round(out["sim_seconds"] * gpus / wall, 1) if wall > 0 else None
     out.update({"gpus": gpus, "profile": profile.name, "workload": wl.describe(), "rate_scale": rate_scale,
                 "seed": seed, "events_out": str(events_out) if events_out else None,
-                "knobs": knobs.to_dict() if knobs is not None else {}, "prompt_logprobs_frac": prompt_logprobs_frac})
+                "knobs": knobs.to_dict() if knobs is not None else {}, "prompt_logprobs_frac": prompt_logprobs_frac,
+                "logprobs_guard": logprobs_guard})
+    if logprobs_guard:
+        out["logprobs_guard_steps"] = sum(e.logprobs_guard_steps for e in fleet.engines)
     if profile.memory is not None:
         out["kv_blocks"] = profile.memory.num_gpu_blocks
     per_gpu = fleet.per_gpu()
@@ -227,6 +234,9 @@ def simulate(
     prompt_logprobs_frac: float = typer.Option(
         0.0, "--prompt-logprobs-frac", help="vLLM profiles: share of requests asking for prompt logprobs "
                                             "(echo + logprobs, as eval harnesses send; vllm#5907)."),
+    logprobs_guard: bool = typer.Option(
+        False, "--logprobs-guard", help="vLLM profiles: kvguard's node-side guard that sizes each step so the "
+                                        "logits of prompt-logprob requests fit the allocator's headroom."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Run the shadow engine over a workload and report OOMs, preemptions, latency and goodput."""
@@ -257,7 +267,8 @@ def simulate(
         with bar:
             out = run_simulation(workload, gpus=gpus, duration_s=duration_s, rate_scale=rate_scale,
                                  profile_name=profile, seed=seed, events_out=events_out, drain=drain,
-                                 progress=progress, knobs=knobs, prompt_logprobs_frac=prompt_logprobs_frac)
+                                 progress=progress, knobs=knobs, prompt_logprobs_frac=prompt_logprobs_frac,
+                                 logprobs_guard=logprobs_guard)
     except (WorkloadError, ProfileError) as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvguard.bus.inproc import InprocBus
@@ -21,6 +21,7 @@ from kvguard.contracts.commands import AckOutcome
 from kvguard.contracts.units import NS_PER_S
 from kvguard.ops.static_sweep import tuned_knobs
 from kvguard.producers.profiles import load_profile, prompt_cap_tokens
+from kvguard.producers.vllm_engine import VllmEngineConfig
 from kvguard.producers.workloads import load_workload
 from kvguard.runtime.bootstrap import make_ledger, make_slo_ledger
 from kvguard.streams.outputs import output_records
@@ -60,6 +61,15 @@ def static_arms(graph: Any, profile_name: str | None, node_config: Any = None) -
             "tuned_static": graph.with_node(load_profile(profile_name, knobs=tuned_knobs()), node_config)}
 
 
+def with_node_guard(graph: Any) -> Any:
+    """The graph with kvguard's node-side guard on, as a guarded node runs it: on vLLM profiles the
+    logprob guard (``VllmEngineConfig.logprobs_guard``: steps sized so prompt-logprob logits fit the
+    allocator's headroom). Other profiles have no node-side guard: the graph as it is."""
+    if graph.profile.engine != "vllm":
+        return graph
+    return replace(graph, node_config=replace(graph.node_config or VllmEngineConfig(), logprobs_guard=True))
+
+
 def demo_workload(profile: Any, *, workload: str, rate_scale: float, duration_s: float, seed: int):
     return load_workload(workload, rate_scale=rate_scale, window=duration_s, seed=seed,
                          max_prompt_tokens=prompt_cap_tokens(profile))
@@ -76,7 +86,7 @@ async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: fl
     settings = graph.settings
     topics = settings.topics
     bus = bus if bus is not None else InprocBus.from_settings(settings)
-    fleet = graph.fleet(n_gpus, seed=seed, host=host)
+    fleet = (with_node_guard(graph) if guarded else graph).fleet(n_gpus, seed=seed, host=host)
     fleet.submit_workload(workload)
     engines = {e.node: e for e in fleet.engines}
     core = graph.stream_core()

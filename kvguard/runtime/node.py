@@ -19,6 +19,7 @@ import numpy as np
 from kvguard.actuators.actuator import run_actuators
 from kvguard.contracts.units import NS_PER_S
 from kvguard.producers.publisher import NodePublisher
+from kvguard.runtime.embedded import with_node_guard
 
 
 async def run_node(graph: Any, bus: Any, workload: Any, *, n_gpus: int, duration_s: float, speed: float,
@@ -32,7 +33,7 @@ async def run_node(graph: Any, bus: Any, workload: Any, *, n_gpus: int, duration
     newer one on every start)."""
 
     settings = graph.settings
-    fleet = graph.fleet(n_gpus, seed=seed, host=host)
+    fleet = (with_node_guard(graph) if actuate else graph).fleet(n_gpus, seed=seed, host=host)
     if epoch is not None:
         if epoch < 0:
             raise ValueError(f"epoch: expected >= 0, got {epoch}")

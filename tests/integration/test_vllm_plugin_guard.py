@@ -1,0 +1,96 @@
+"""The logprob guard inside vLLM (issue 12): on vLLM's real v1 scheduler, with the plugin attached, a
+request asking for prompt logprobs is prefilled in steps whose logits fit the CUDA headroom; other
+traffic keeps vLLM's budget. There is no GPU here: the CUDA headroom comes from a stand-in for the
+four ``torch.cuda`` calls the guard reads (mem_get_info, memory_reserved, memory_allocated), with
+the sizes of a 24 GB GPU run near its limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvguard.producers.vllm_conformance import synth_prompt_token_ids
+from kvguard.producers.vllm_plugin import PluginConfig, prompt_logprobs_bytes
+from tests.integration.test_vllm_plugin import BLOCK, Rig
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+MiB = 1 << 20
+
+
+class CudaHeadroom:
+    """What torch.cuda reports on a GPU with ``free`` bytes free and ``cached`` bytes reserved but unallocated."""
+
+    def __init__(self, free: int, cached: int) -> None:
+        self.free, self.cached = free, cached
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return self.free, 24 << 30
+
+    def memory_reserved(self) -> int:
+        return 20 << 30
+
+    def memory_allocated(self) -> int:
+        return (20 << 30) - self.cached
+
+
+class FakeTorch:
+    def __init__(self, free: int, cached: int) -> None:
+        self.cuda = CudaHeadroom(free, cached)
+
+
+def add(rig: Rig, request_id: str, prompt_tokens: int, *, prompt_logprobs: int | None) -> None:
+    v = rig.side.v
+    salt = hash(request_id) & 0xFFFF_FFFF
+    params = v.SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=prompt_logprobs)
+    rig.sched.add_request(v.Request(request_id=request_id,
+                                    prompt_token_ids=synth_prompt_token_ids(prompt_tokens, (), salt, BLOCK),
+                                    sampling_params=params, pooling_params=None, arrival_time=0.0, priority=0,
+                                    block_hasher=rig.side.block_hasher))
+    rig.side.salts[request_id] = salt
+
+
+def guarded_rig(free: int, cached: int) -> Rig:
+    rig = Rig(600)
+    rig.actions.torch = FakeTorch(free, cached)
+    return rig
+
+
+def test_the_plugin_knows_what_a_prompt_logprob_position_costs_for_the_served_model():
+    rig = Rig(600)
+    per_token = prompt_logprobs_bytes(rig.sched)
+    model = rig.sched.vllm_config.model_config
+    vocab = model.get_vocab_size()
+    assert per_token == -(-vocab // 64) * 64 * model.dtype.itemsize + vocab * 4 + 8
+    assert rig.actions.logprobs_bytes_per_token == per_token  # on by default
+    off = PluginConfig.from_env({"KVGUARD_LOGPROBS_GUARD": "0"})
+    assert off.logprobs_guard is False and PluginConfig.from_env({}).logprobs_guard is True
+
+
+def test_a_prompt_logprob_request_prefills_in_steps_that_fit_the_headroom_and_vllms_budget_comes_back():
+    rig = guarded_rig(free=400 * MiB, cached=200 * MiB)
+    per_token = rig.actions.logprobs_bytes_per_token
+    cap = (600 * MiB - rig.actions.logprobs_margin_bytes) // (2 * per_token)
+    assert 16 < cap < 2048
+    add(rig, "eval", 3000, prompt_logprobs=1)
+    steps = []
+    while "eval" in rig.sched.requests and rig.sched.requests["eval"].num_computed_tokens < 3000:
+        steps.append(rig.step().get("eval", 0))
+        assert rig.sched.max_num_scheduled_tokens == 2048  # vLLM's own budget outside schedule()
+    assert steps and max(steps) <= cap and sum(steps) == 3000
+    assert rig.actions.logprobs_guard_steps == len(steps)
+    rig.check_equal()
+
+
+def test_other_traffic_keeps_vllms_budget_and_without_cuda_the_guard_is_inert():
+    rig = guarded_rig(free=400 * MiB, cached=200 * MiB)
+    add(rig, "chat", 3000, prompt_logprobs=None)
+    assert rig.step()["chat"] == 2048 and rig.actions.logprobs_guard_steps == 0
+    cpu = Rig(600)  # the real torch here: no CUDA
+    add(cpu, "eval", 3000, prompt_logprobs=1)
+    assert cpu.step()["eval"] == 2048 and cpu.actions.logprobs_guard_steps == 0
