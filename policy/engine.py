@@ -53,6 +53,10 @@ Per tick and node:
    space in total is at least that, the structural guard fires and the plan compacts (no
    eviction: free space suffices, it is only scattered).
 
+Canary rollout (``policy.canary``, off by default): with a ``Canary`` the strategy is per node,
+``strategy_for(mode, node)``: the candidate on the candidate's nodes in the canary's mode, the
+control everywhere else; without one every node runs the mode's strategy, as before.
+
 Pure and deterministic: time is the tick's event time, no clock, no I/O. The service shell
 (``policy.service``) feeds it ticks from the bus and publishes what it returns.
 """
@@ -64,6 +68,7 @@ from dataclasses import dataclass, field, replace
 from kvguard.contracts.commands import Action, Command, Mode, Target, command_id, sign
 from kvguard.contracts.tick import Tick
 from kvguard.contracts.units import NS_PER_S
+from kvguard.policy.canary import Canary
 from kvguard.policy.modes import ModeChange, ModeConfig, ModeTracker
 from kvguard.policy.planner import CostModel, NodeView, Plan, PlannerConfig, compaction_run_units, plan, view_from_tick
 from kvguard.policy.strategy import DEFAULT, EMERGENCY, Strategy, Timing, Trigger
@@ -139,9 +144,10 @@ class EngineCounters:
 
 
 class PolicyEngine:
-    def __init__(self, config: EngineConfig, secret: bytes) -> None:
+    def __init__(self, config: EngineConfig, secret: bytes, canary: Canary | None = None) -> None:
         self.config = config
         self.secret = secret
+        self.canary = canary
         self.modes = ModeTracker(config.modes)
         self.counters = EngineCounters()
         self._last_scan_ns: dict[str, int] = {}
@@ -155,8 +161,12 @@ class PolicyEngine:
         self._cap: dict[str, tuple[int, int]] = {}  # node -> (cap sent, ts_ns it was sent); not sent: absent
         self._cap_calm: dict[str, int] = {}  # node -> ticks since allocator pressure (kept over restarts)
 
-    def strategy_for(self, mode: Mode) -> Strategy:
-        return self.config.emergency if mode is Mode.EMERGENCY else self.config.default
+    def strategy_for(self, mode: Mode, node: str | None = None) -> Strategy:
+        """The mode's strategy; with a canary and a node, the one the canary gives that node."""
+        control = self.config.emergency if mode is Mode.EMERGENCY else self.config.default
+        if self.canary is None or node is None:
+            return control
+        return self.canary.strategy_for(mode, node, control)
 
     def decide(self, tick: Tick | NodeView, *, budget_remaining_frac: float | None = None) -> Decision:
         """Commands for one tick of one node. ``tick``: a ``Tick`` (``kvguard.contracts.tick``) or a ``NodeView``.
@@ -182,7 +192,8 @@ class PolicyEngine:
         if known is not None and epoch - known > self.config.max_epoch_jump:
             self.counters.epoch_jumps_rejected += 1
             mode = self.modes.mode(view.node)
-            return Decision(view.node, view.ts_ns, mode, self.strategy_for(mode).variant, stale=True, rejected=True,
+            return Decision(view.node, view.ts_ns, mode, self.strategy_for(mode, view.node).variant,
+                            stale=True, rejected=True,
                             reason=f"epoch {epoch} is {epoch - known} past the node's epoch {known}, more than "
                                    f"policy.max_epoch_jump ({self.config.max_epoch_jump}): not taken as a restart")
         if known is not None and epoch < known and not self._confirmed.get(view.node, True):
@@ -201,7 +212,8 @@ class PolicyEngine:
             mode = self.modes.mode(view.node)
             why = (f"stale tick: epoch {epoch} < current {known}" if older_epoch
                    else f"stale tick: ts_ns {view.ts_ns} <= last decided {last}")
-            return Decision(view.node, view.ts_ns, mode, self.strategy_for(mode).variant, reason=why, stale=True)
+            return Decision(view.node, view.ts_ns, mode, self.strategy_for(mode, view.node).variant, reason=why,
+                            stale=True)
         self._epoch[view.node] = epoch
         self._last_ts.pop(view.node, None)
         self._last_ts[view.node] = view.ts_ns
@@ -213,7 +225,7 @@ class PolicyEngine:
         if change:
             self.counters.mode_changes += 1
         mode = self.modes.mode(view.node)
-        strategy = self.strategy_for(mode)
+        strategy = self.strategy_for(mode, view.node)
         decision = Decision(view.node, view.ts_ns, mode, strategy.variant, mode_change=change)
         risk = self._contiguity_risk(view)
         guard = self._structural_guard(view, budget_remaining_frac)
@@ -282,11 +294,11 @@ class PolicyEngine:
                     f"under the {wanted:.0f} one full step needs")
         return None
 
-    def headroom_units(self, mode: Mode) -> int:
-        """The admission hold in ``mode``: ``(1 - target_u_kv)`` of D free, or room for the
-        largest prompt seen (plus one run requirement) when that is more, capped."""
+    def headroom_units(self, mode: Mode, node: str | None = None) -> int:
+        """The admission hold in ``mode`` (on ``node``'s strategy): ``(1 - target_u_kv)`` of D free,
+        or room for the largest prompt seen (plus one run requirement) when that is more, capped."""
         d = self.config.dynamic_units or 0
-        target = self.strategy_for(mode).target_u_kv
+        target = self.strategy_for(mode, node).target_u_kv
         return max(int((1.0 - target) * d) - self.config.engine_reserve_units, self.prompt_hold_units())
 
     def prompt_hold_units(self) -> int:
@@ -320,7 +332,7 @@ class PolicyEngine:
         held, last_ns = self._held.get(view.node, (0, view.ts_ns))
         if risk:
             self._calm[view.node] = 0
-            want = self.headroom_units(mode)
+            want = self.headroom_units(mode, view.node)
         else:
             self._calm[view.node] = self._calm.get(view.node, 0) + 1
             # calm: the strategy's part is released; the prompt-sized part stays, since the

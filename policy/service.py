@@ -9,8 +9,11 @@ of it this week, ask the engine for a decision, then publish
 * budget alerts the ledger raised (exhaustion: RCA required) on ``kvguard.alerts``;
 
 and, with an ``SloRecorder``, records the tick's prediction outcome, OOMs with per-tier lead
-times and evictions in the SLO ledger. Delivery: ``run`` commits a batch of ticks only after its
-commands and alerts were delivered (``deliver_all`` retries through a broker outage).
+times and evictions in the SLO ledger. With a ``Canary`` (``policy.canary``) each decided tick
+is recorded for its node's arm and the rollout evaluated (``canary_changes`` keeps its moves);
+the recorder hands it the evictions and their outcomes. Delivery: ``run`` commits a batch of
+ticks only after its commands and alerts were delivered (``deliver_all`` retries through a
+broker outage).
 
 ``handle_tick`` is synchronous and returns the records, so the embedded loop calls it directly
 and deterministically; ``run`` is the async consumer over any bus (in-process or Kafka).
@@ -43,6 +46,7 @@ from kvguard.contracts.events import EventKind, Outcome
 from kvguard.contracts.tick import Tick
 from kvguard.contracts.tiers import LEAD_TIME_SIGNALS, AlertThresholds, signal_conditions
 from kvguard.policy.budget import tick_week
+from kvguard.policy.canary import Canary, Transition
 from kvguard.policy.engine import Decision, PolicyEngine
 from kvguard.policy.modes import ModeChange
 from kvguard.policy.slo import OutcomeTracker
@@ -65,8 +69,10 @@ class Outgoing:
 
 class PolicyService:
     def __init__(self, engine: PolicyEngine, settings: Any, *, bus: Any = None, ledger: Any = None,
-                 slo: "SloRecorder | None" = None) -> None:
+                 slo: "SloRecorder | None" = None, canary: Canary | None = None) -> None:
         self.engine = engine
+        self.canary = canary
+        self.canary_changes: list[Transition] = []
         self.settings = settings
         self.bus = bus
         self.ledger = ledger
@@ -92,6 +98,10 @@ class PolicyService:
         if self.slo is not None and not decision.stale:
             self.slo.observe_tick(tick)
             self.slo.observe_decision(decision)
+        if self.canary is not None and not decision.stale:
+            moved = self.canary.observe_decision(tick, decision)
+            if moved is not None:
+                self.canary_changes.append(moved)
         if decision.mode_change is not None:
             change = decision.mode_change
             self.mode_changes.append(change)
@@ -274,14 +284,16 @@ class SloRecorder:
       above the operating threshold (only when ticks carry a P(OOM));
     * evictions: each EVICT target, when its command is issued (``confirm_with_acks=False``, the
       standalone policy service) or when its ack says EXECUTED (the demo, which sees the acks);
-    * eviction outcomes: ``observe_batches`` reads the nodes' FINISH events (completed or not).
+    * eviction outcomes: ``observe_batches`` reads the nodes' FINISH events (completed or not);
+    * with a ``canary``, the evictions and their outcomes also go to its arms.
 
     Ledger errors are logged and counted, never raised: the SLO ledger informs, it does not steer.
     """
 
     def __init__(self, ledger: Any, *, threshold: float, horizon_s: float, thresholds: Any = None,
-                 confirm_with_acks: bool = False, max_nodes: int = 10_000) -> None:
+                 confirm_with_acks: bool = False, max_nodes: int = 10_000, canary: Canary | None = None) -> None:
         self.ledger = ledger
+        self.canary = canary
         self.threshold = float(threshold)
         self.thresholds = thresholds
         self.confirm_with_acks = confirm_with_acks
@@ -361,6 +373,8 @@ class SloRecorder:
             self._bound(self._evicted)
             if self._call(self.ledger.record_eviction, node, str(req), ts_ns):
                 self.counters.evictions += 1
+            if self.canary is not None:
+                self.canary.observe_eviction(node, req)
 
     def observe_batches(self, batches: Any) -> None:
         """Outcomes of evicted requests from the nodes' event batches (FINISH rows)."""
@@ -376,9 +390,11 @@ class SloRecorder:
                 key = (batch.node, int(row["req"]))
                 if key in self._evicted:
                     del self._evicted[key]
-                    if self._call(self.ledger.record_eviction_outcome, batch.node, str(key[1]),
-                                  int(row["flags"]) == int(Outcome.COMPLETED)):
+                    completed = int(row["flags"]) == int(Outcome.COMPLETED)
+                    if self._call(self.ledger.record_eviction_outcome, batch.node, str(key[1]), completed):
                         self.counters.outcomes += 1
+                    if self.canary is not None:
+                        self.canary.observe_outcome(batch.node, key[1], completed)
 
     def _bound(self, pending: dict) -> None:
         """A command never acked or an evicted request whose FINISH never comes must not grow memory."""

@@ -13,6 +13,9 @@ Three records, each idempotent so replays and redelivery never double count:
 - evictions keyed by (node, request, ts_ns), and the later outcome of each evicted request
   (completed or failed), first outcome wins; the completion rate counts in the eviction's week.
 
+Both ledgers also keep the canary rollout's records and state (``policy.canary``), keyed by the
+rollout instead of the week.
+
 Pure core: no clock, no Redis; policy/slo_redis.py stores the same records in Redis.
 """
 
@@ -26,6 +29,7 @@ from typing import Any, Iterable, Mapping, Protocol
 from kvguard.contracts.tiers import LEAD_TIME_SIGNALS
 from kvguard.contracts.units import NS_PER_S
 from kvguard.policy.budget import iso_week, parse_week
+from kvguard.policy.canary import MemoryCanaryLedger
 
 TIERS = LEAD_TIME_SIGNALS
 PENDING, COMPLETED, FAILED = "pending", "completed", "failed"
@@ -212,10 +216,11 @@ class _SloWeek:
     evicted: dict[tuple[str, str], str] = field(default_factory=dict)
 
 
-class MemorySloLedger:
+class MemorySloLedger(MemoryCanaryLedger):
     """The embedded SLO ledger. Record methods return True when the record counted."""
 
     def __init__(self, config: SloConfig | None = None) -> None:
+        super().__init__()
         self.config = config or SloConfig()
         self._weeks: dict[str, _SloWeek] = {}
         self._eviction_week: dict[tuple[str, str], str] = {}

@@ -151,7 +151,9 @@ def _print_budget(status: Any, node: Optional[str], week_note: str) -> None:
 def slo_report(week: Optional[str] = _WEEK, redis_url: Optional[str] = _REDIS,
                json_out: bool = _JSON) -> None:
     """Precision, recall and FPR at the operating threshold, OOM lead times per tier,
-    completion rate of evicted requests; SLO met when recall >= 0.90 and FPR <= 0.05."""
+    completion rate of evicted requests; SLO met when recall >= 0.90 and FPR <= 0.05.
+    Canary rollouts (over all weeks): stage, status and a section per variant (control and
+    candidate: node-hours, OOMs per node-hour, commands, evicted-request completion rate)."""
     from kvguard.policy.budget import LedgerUnavailable
     from kvguard.policy.slo import SloConfig
     from kvguard.policy.slo_redis import RedisSloLedger
@@ -164,14 +166,17 @@ def slo_report(week: Optional[str] = _WEEK, redis_url: Optional[str] = _REDIS,
     try:
         week, why = _pick_week(week, ledger)
         report = ledger.report(week)
+        rollouts = [r for r in map(ledger.canary_report, ledger.canary_rollouts()) if r is not None]
     except LedgerUnavailable as exc:
         _fail(str(exc))
     finally:
         ledger.close()
     if json_out:
-        typer.echo(json.dumps({**report.to_dict(), "week_source": why}, sort_keys=True))
+        typer.echo(json.dumps({**report.to_dict(), "week_source": why,
+                               "canary": [r.to_dict() for r in rollouts]}, sort_keys=True))
         return
     _print_slo(report, _WEEK_NOTES[why])
+    _print_canary(rollouts)
 
 
 def _fmt(value: Optional[float], pattern: str = "{:.3f}") -> str:
@@ -207,3 +212,28 @@ def _print_slo(report: Any, week_note: str) -> None:
     console.print(f"evictions: {report.evictions} events, {report.evicted_requests} requests; "
                   f"completed {report.completed}, failed {report.failed}, pending {report.pending}; "
                   f"completion rate {_fmt(report.completion_rate, '{:.1%}')}")
+
+
+def _print_canary(rollouts: list[Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    for rollout in rollouts:
+        data = rollout.to_dict()
+        console.print(f"canary {data['rollout']}: {data['status']} at stage {data['stage']} "
+                      f"({data['percent']}% of nodes on the candidate; stages {data['stages']}, "
+                      f"mode {data['mode']})" + (f": {data['reason']}" if data["reason"] else ""))
+        table = Table(title=f"Canary {data['rollout']}: outcomes per variant (all stages)")
+        for column in ("arm", "variant", "nodes", "node-h", "OOMs", "OOMs/node-h", "commands", "evictions",
+                       "completion rate"):
+            table.add_column(column, justify="left" if column in ("arm", "variant") else "right")
+        for row in data["variants"]:
+            evictions = row["evictions"]
+            table.add_row(row["arm"], row["variant"], str(row["nodes"]), f"{row['node_hours']:.2f}",
+                          str(row["ooms"]), _fmt(row["ooms_per_node_hour"], "{:.4f}"), str(row["commands"]),
+                          f"{evictions['requests']} ({evictions['completed']} done, {evictions['failed']} failed)",
+                          _fmt(evictions["completion_rate"], "{:.1%}"))
+        console.print(table)
+        for move in data["history"]:
+            console.print(f"  stage {move['from_stage']} -> {move['to_stage']} ({move['status']}): {move['reason']}")

@@ -73,7 +73,13 @@ def policy(
                 "slo": service.slo.counters.as_dict() if service.slo else None,
                 "ledger": {name: led.stats().to_dict() if hasattr(led, "stats") else {}
                            for name, led in (("budget", ledger), ("slo", slo_ledger))},
-                "mode_changes": [c.to_dict() for c in service.mode_changes]}
+                "mode_changes": [c.to_dict() for c in service.mode_changes],
+                "canary": None if service.canary is None else {
+                    "rollout": service.canary.rollout, "percent": service.canary.percent,
+                    "state": None if service.canary.state is None else {
+                        "stage": service.canary.state.stage, "status": service.canary.state.status,
+                        "reason": service.canary.state.reason},
+                    "moves": len(service.canary_changes), "errors": service.canary.errors}}
     if json_out:
         sys.stdout.write(json.dumps(counters) + "\n")
     else:

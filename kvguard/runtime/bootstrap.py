@@ -24,11 +24,13 @@ from typing import Any, Mapping
 from kvguard.actuators.actuator import Actuator, AppliedJournal
 from kvguard.actuators.executor import Executor
 from kvguard.bus.inproc import InprocBus
+from kvguard.contracts.commands import Mode
 from kvguard.policy.budget import BudgetConfig, MemoryBudgetLedger
+from kvguard.policy.canary import Canary, CanaryConfig, CanaryConfigError, resolve_candidate
 from kvguard.policy.engine import EngineConfig, PolicyEngine
 from kvguard.policy.planner import CostModel, PlannerConfig
 from kvguard.policy.service import PolicyService, SloRecorder
-from kvguard.policy.slo import SloConfig
+from kvguard.policy.slo import MemorySloLedger, SloConfig
 from kvguard.policy.strategy import PRESETS, strategy_from_mapping
 from kvguard.producers.fleet import Fleet
 from kvguard.producers.profiles import load_profile
@@ -69,6 +71,7 @@ class Graph:
     predictor_note: str = ""
     notes: list[str] = field(default_factory=list)
     node_config: Any = None  # the engines' own config (VllmEngineConfig / EngineConfig); None: defaults
+    canary_config: Any = None  # policy.canary.CanaryConfig; None: no canary rollout (the default)
 
     # -- stream side ----------------------------------------------------------------------------
 
@@ -90,8 +93,19 @@ class Graph:
 
     # -- policy side ----------------------------------------------------------------------------
 
-    def policy_engine(self):
-        return PolicyEngine(self.engine_config, self.secret)
+    def policy_engine(self, canary: Any = None):
+        return PolicyEngine(self.engine_config, self.secret, canary=canary)
+
+    def canary(self, slo_ledger: Any = None):
+        """The canary rollout over ``slo_ledger`` (its records and state live there; default: the
+        graph's, else a fresh in-memory one); None when ``canary.enabled`` is off."""
+        if self.canary_config is None:
+            return None
+        if slo_ledger is None:
+            slo_ledger = self.slo_ledger
+        if slo_ledger is None:
+            slo_ledger = MemorySloLedger(SloConfig.from_settings(self.settings))
+        return Canary(self.canary_config, slo_ledger)
 
     def slo_recorder(self, slo_ledger: Any = None, *, confirm_with_acks: bool = False):
         """The SLO recorder over ``slo_ledger`` (default: the graph's; None when neither is set).
@@ -106,10 +120,18 @@ class Graph:
                            confirm_with_acks=confirm_with_acks, max_nodes=self.settings.policy.max_nodes)
 
     def policy_service(self, *, bus: Any = None, ledger: Any = None, slo: Any = None):
-        """``slo``: an ``SloRecorder`` (default: one over the graph's SLO ledger, if any)."""
-        return PolicyService(self.policy_engine(), self.settings, bus=bus or self.bus,
-                             ledger=ledger if ledger is not None else self.ledger,
-                             slo=slo if slo is not None else self.slo_recorder())
+        """``slo``: an ``SloRecorder`` (default: one over the graph's SLO ledger, if any). With
+        ``canary.enabled`` the engine, the service and the recorder share one ``Canary`` over the
+        recorder's SLO ledger (an in-memory one, and a recorder over it, when there is none)."""
+        slo = slo if slo is not None else self.slo_recorder()
+        canary = None
+        if self.canary_config is not None:
+            if slo is None:
+                slo = self.slo_recorder(MemorySloLedger(SloConfig.from_settings(self.settings)))
+            canary = self.canary(slo.ledger)
+            slo.canary = canary
+        return PolicyService(self.policy_engine(canary), self.settings, bus=bus or self.bus,
+                             ledger=ledger if ledger is not None else self.ledger, slo=slo, canary=canary)
 
     # -- node side ------------------------------------------------------------------------------
 
@@ -155,7 +177,8 @@ def bootstrap(settings: Any = None, *, bus: Any = None, ledger: Any = None, slo_
     secret, generated = _secret(settings, require_secret, insecure_dev)
     engine_config = engine_config_from(settings, prof, strategy_overrides or {})
     graph = Graph(settings=settings, profile=prof, secret=secret, secret_generated=generated,
-                  engine_config=engine_config, bus=bus, ledger=ledger, slo_ledger=slo_ledger, node_config=node_config)
+                  engine_config=engine_config, bus=bus, ledger=ledger, slo_ledger=slo_ledger, node_config=node_config,
+                  canary_config=canary_config_from(settings, engine_config))
     graph.predictor, graph.predictor_note = _predictor(settings, predictor)
     return graph
 
@@ -189,6 +212,25 @@ def engine_config_from(settings: Any, profile: Any, strategy_overrides: Mapping[
                         # their OOMs are the caching allocator's, whose peaks the token budget bounds
                         use_headroom=not vllm, allocator_guard=vllm,
                         batch_cap_tokens=max(profile.max_num_seqs, profile.max_batched_tokens // 2) if vllm else 0)
+
+
+def canary_config_from(settings: Any, engine_config: Any) -> CanaryConfig | None:
+    """The canary rollout from the ``canary`` section (None when off): the candidate against the
+    strategy of ``canary.mode`` as the settings configure it (the control)."""
+    section = getattr(settings, "canary", None)
+    if section is None or not section.enabled:
+        return None
+    mode = Mode(section.mode)
+    control = engine_config.emergency if mode is Mode.EMERGENCY else engine_config.default
+    try:
+        return CanaryConfig(candidate=resolve_candidate(section.candidate, control), control=control, mode=mode,
+                            stages=tuple(section.stages), min_node_hours=float(section.min_node_hours),
+                            oom_rate_factor=float(section.oom_rate_factor),
+                            completion_margin=float(section.completion_margin),
+                            min_resolved_evictions=int(section.min_resolved_evictions),
+                            evaluate_every_s=float(section.evaluate_every_s), rollout_id=section.rollout_id)
+    except CanaryConfigError as err:
+        raise BootstrapError(err.field, str(err).split(": ", 1)[1]) from None
 
 
 def make_ledger(settings: Any, redis_url: str | None = None):

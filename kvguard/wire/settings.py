@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -247,6 +247,43 @@ class PolicySettings(_Section):
     max_epoch_jump: int = Field(1 << 61, gt=0)
 
 
+class CanarySettings(_Section):
+    """Canary rollout of a strategy variant (kvguard.policy.canary; docs/ARCHITECTURE.md, "Canary
+    rollout"). Off by default. ``candidate``: a preset (default|emergency), a grid index (0..242)
+    or a variant (``request/cost/async/recompute/hard``); it replaces the strategy of ``mode`` on
+    the nodes whose bucket (SHA-256 of the node id mod 100) is below the stage's percentage."""
+
+    enabled: bool = False
+    candidate: str = Field("", validate_default=True)
+    mode: Literal["default", "emergency"] = "default"
+    stages: list[int] = Field(default_factory=lambda: [5, 25, 50, 100])
+    # a stage is judged once both arms have this many node-hours in it
+    min_node_hours: float = Field(50.0, gt=0)
+    # roll back when the candidate's OOMs per node-hour exceed the control's times this factor
+    oom_rate_factor: float = Field(1.5, gt=0)
+    # ... or its evicted-request completion rate falls below the control's minus this margin
+    # (judged only when both arms have min_resolved_evictions resolved evictions in the stage)
+    completion_margin: float = Field(0.05, ge=0, le=1)
+    min_resolved_evictions: int = Field(20, ge=0)
+    evaluate_every_s: float = Field(60.0, gt=0)  # of event time
+    # the rollout's key in the SLO ledger; empty: "<candidate variant>~<control variant>"
+    rollout_id: str = Field("", pattern=r"^[^{}|]*$")
+
+    @field_validator("candidate")
+    @classmethod
+    def _candidate_when_enabled(cls, value: str, info: ValidationInfo) -> str:
+        if info.data.get("enabled") and not value.strip():
+            raise ValueError("must name the candidate strategy when canary.enabled is true")
+        return value
+
+    @field_validator("stages")
+    @classmethod
+    def _stages_rise_to_100(cls, value: list[int]) -> list[int]:
+        if not value or any(not 0 < p <= 100 for p in value) or value != sorted(set(value)) or value[-1] != 100:
+            raise ValueError("must be increasing percentages in 1..100 ending at 100, e.g. [5, 25, 50, 100]")
+        return value
+
+
 class BudgetSettings(_Section):
     minutes_per_week: float = Field(60.0, gt=0)
     f_ext_threshold: float = Field(0.5, ge=0, le=1)
@@ -294,6 +331,7 @@ class Settings(BaseSettings):
     streams: StreamsSettings = Field(default_factory=StreamsSettings)
     predictor: PredictorSettings = Field(default_factory=PredictorSettings)
     policy: PolicySettings = Field(default_factory=PolicySettings)
+    canary: CanarySettings = Field(default_factory=CanarySettings)
     budget: BudgetSettings = Field(default_factory=BudgetSettings)
     node: NodeSettings = Field(default_factory=NodeSettings)
     export: ExportSettings = Field(default_factory=ExportSettings)
@@ -451,6 +489,8 @@ _PROBLEMS = {
     "float_parsing": "must be a number",
     "bool_parsing": "must be true or false",
     "string_too_short": "must not be empty",
+    "string_pattern_mismatch": "must match {pattern}",
+    "value_error": "{error}",
 }
 
 
