@@ -53,7 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from kvguard.contracts.events import EventKind, OomCause, Pool
+from kvguard.contracts.events import SEG_MAPPED, EventKind, OomCause, Pool
 from kvguard.producers.caching_allocator import AllocatorConfig, CachingAllocator, DeviceMemory, OutOfMemoryError
 from kvguard.producers.caching_allocator_config import K_SMALL_BUFFER, K_SMALL_SIZE
 from kvguard.producers.step_memory import (
@@ -425,10 +425,11 @@ class WorkerMemory:
                 emit(_RETRY, now, 0, 0, 0, failed, 0, 0)
                 retries -= 1
             failed = None
+            mapped = SEG_MAPPED if op in ("map", "unmap") else 0  # pages of an expandable segment
             if op in ("alloc", "map"):
-                emit(_SEG_ALLOC, now, _segment_pool(size), 0, address, size, 0, 0)
+                emit(_SEG_ALLOC, now, _segment_pool(size), 0, address, size, 0, mapped)
             else:
-                emit(_SEG_FREE, now, _segment_pool(size), 0, address, size, 0, 0)
+                emit(_SEG_FREE, now, _segment_pool(size), 0, address, size, 0, mapped)
 
     def empty_cache(self, now_ns: int) -> int:
         """``torch.cuda.empty_cache()`` between steps: cached segments with no allocation go back to the

@@ -15,17 +15,24 @@ allocated block: cached memory that ``empty_cache()`` cannot return) and the all
 
 Segments are few (tens to hundreds) and change rarely, so the free-block figures are recomputed
 from the segment's sorted block list when asked, not maintained row by row.
+
+Expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) grow and shrink by
+mapping and unmapping pages of one reserved address range: their SEG_ALLOC / SEG_FREE rows carry
+``aux = SEG_MAPPED`` and name the pages mapped or unmapped. The layer keeps, as PyTorch's snapshot
+does, one segment per contiguous mapped run: a map next to a run of the same expandable range
+merges with it, an unmap inside a run splits it. A block belongs to the segment its address lies
+in (its row's ``aux`` names the run it was carved from, which a later map may have merged).
 """
 
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect_right, insort
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvguard.contracts import pressure
-from kvguard.contracts.events import EventKind
+from kvguard.contracts.events import SEG_MAPPED, EventKind
 
 _SEG_ALLOC, _SEG_FREE = int(EventKind.SEG_ALLOC), int(EventKind.SEG_FREE)
 _BLK_ALLOC, _BLK_FREE = int(EventKind.BLK_ALLOC), int(EventKind.BLK_FREE)
@@ -57,6 +64,8 @@ class AllocatorLayer:
         self.blocks_of: dict[int, list[int]] = {}  # segment address -> sorted block addresses
         self.block_size: dict[int, int] = {}  # block address -> size
         self.block_segment: dict[int, int] = {}
+        self.starts: list[int] = []  # sorted segment addresses (to find a block's segment)
+        self.expandable: set[int] = set()  # segments that are mapped runs of expandable ranges
         self.allocated_bytes = 0
         self.alloc_retries = 0
 
@@ -70,9 +79,15 @@ class AllocatorLayer:
         for kind, offset, size, aux in zip(rows["kind"].tolist(), rows["offset"].tolist(), rows["size"].tolist(),
                                            rows["aux"].tolist()):
             if kind == _SEG_ALLOC:
-                self._segment_alloc(offset, size)
+                if aux == SEG_MAPPED:
+                    self._map(offset, size)
+                else:
+                    self._segment_alloc(offset, size)
             elif kind == _SEG_FREE:
-                self._segment_free(offset)
+                if aux == SEG_MAPPED:
+                    self._unmap(offset, size)
+                else:
+                    self._segment_free(offset)
             elif kind == _BLK_ALLOC:
                 self._block_alloc(offset, size, aux)
             elif kind == _BLK_FREE:
@@ -86,6 +101,7 @@ class AllocatorLayer:
                                       "size is not positive")
         self.segment_size[address] = size
         self.blocks_of[address] = []
+        insort(self.starts, address)
 
     def _segment_free(self, address: int) -> None:
         if self.blocks_of.get(address):
@@ -93,9 +109,71 @@ class AllocatorLayer:
         if self.segment_size.pop(address, None) is None:
             raise AllocatorLayerError(f"SEG_FREE at {address:#x}: no such segment")
         del self.blocks_of[address]
+        self.starts.remove(address)
+        self.expandable.discard(address)
+
+    def _containing(self, address: int) -> int | None:
+        """The segment whose range holds ``address``, or None."""
+        i = bisect_right(self.starts, address) - 1
+        if i >= 0 and address < self.starts[i] + self.segment_size[self.starts[i]]:
+            return self.starts[i]
+        return None
+
+    def _map(self, address: int, size: int) -> None:
+        """Pages ``[address, address + size)`` of an expandable range mapped: a run, merged with the
+        expandable runs that end where it starts and start where it ends."""
+        if size <= 0 or self._containing(address) is not None or self._containing(address + size - 1) is not None:
+            raise AllocatorLayerError(f"SEG_ALLOC (mapped) at {address:#x} of {size} bytes overlaps a segment")
+        self._segment_alloc(address, size)
+        self.expandable.add(address)
+        right = address + size
+        if right in self.expandable:
+            self._merge(address, right)
+        i = self.starts.index(address)
+        if i > 0:
+            left = self.starts[i - 1]
+            if left in self.expandable and left + self.segment_size[left] == address:
+                self._merge(left, address)
+
+    def _merge(self, left: int, right: int) -> None:
+        for block in self.blocks_of.pop(right):
+            self.block_segment[block] = left
+            insort(self.blocks_of[left], block)
+        self.segment_size[left] += self.segment_size.pop(right)
+        self.starts.remove(right)
+        self.expandable.discard(right)
+
+    def _unmap(self, address: int, size: int) -> None:
+        """Pages ``[address, address + size)`` unmapped: cut out of the run that holds them."""
+        run = self._containing(address)
+        if run is None or run not in self.expandable or address + size > run + self.segment_size[run] or size <= 0:
+            raise AllocatorLayerError(f"SEG_FREE (unmapped) at {address:#x} of {size} bytes is not inside one "
+                                      "mapped run of an expandable segment")
+        end, run_end = address + size, run + self.segment_size[run]
+        blocks = self.blocks_of[run]
+        if any(b < end and b + self.block_size[b] > address for b in blocks):
+            raise AllocatorLayerError(f"SEG_FREE (unmapped) at {address:#x}: allocated blocks lie in those pages")
+        self.blocks_of[run] = []
+        self.segment_size.pop(run)
+        del self.blocks_of[run]
+        self.starts.remove(run)
+        self.expandable.discard(run)
+        for start, stop in ((run, address), (end, run_end)):
+            if stop > start:
+                self._segment_alloc(start, stop - start)
+                self.expandable.add(start)
+        for b in blocks:
+            home = run if b < address else end
+            self.block_segment[b] = home
+            insort(self.blocks_of[home], b)
 
     def _block_alloc(self, address: int, size: int, segment: int) -> None:
         seg_size = self.segment_size.get(segment)
+        if (seg_size is None or not segment <= address < address + size <= segment + seg_size) and \
+                self.expandable:  # a run the block was carved from may have merged into a longer one
+            home = self._containing(address)
+            if home is not None and home in self.expandable:
+                segment, seg_size = home, self.segment_size[home]
         if seg_size is None or not segment <= address < address + size <= segment + seg_size:
             raise AllocatorLayerError(f"BLK_ALLOC at {address:#x} ({size} bytes) is outside segment {segment:#x}")
         if address in self.block_size:
@@ -144,6 +222,7 @@ class AllocatorLayer:
 
     def to_dict(self) -> dict:
         return {"segments": [[a, s] for a, s in sorted(self.segment_size.items())],
+                "expandable": sorted(self.expandable),
                 "blocks": [[a, self.block_size[a], self.block_segment[a]] for a in sorted(self.block_size)],
                 "retries": self.alloc_retries}
 
@@ -152,6 +231,7 @@ class AllocatorLayer:
         layer = cls()
         for address, size in (d or {}).get("segments", ()):
             layer._segment_alloc(int(address), int(size))
+        layer.expandable = {int(a) for a in (d or {}).get("expandable", ())}
         for address, size, segment in (d or {}).get("blocks", ()):
             layer._block_alloc(int(address), int(size), int(segment))
         layer.alloc_retries = int((d or {}).get("retries", 0))

@@ -43,9 +43,11 @@ STEP          -      -/batched tokens       decode tokens        aux=step durati
 SNAPSHOT      -      largest run/#free runs tokens stored        aux=free_runs_checksum(); the batch carries the
                                                                    full state (``PoolState``) for resync
 SEG_ALLOC     -      segment addr/bytes     -                    cls=Pool, flags=stream; the caching allocator
-                                                                   reserved a segment (cudaMalloc)
+                                                                   reserved a segment (cudaMalloc); aux=SEG_MAPPED:
+                                                                   pages of an expandable segment mapped
 SEG_FREE      -      segment addr/bytes     -                    cls=Pool; a segment went back to the device
-                                                                   (empty_cache, or release-and-retry)
+                                                                   (empty_cache, or release-and-retry);
+                                                                   aux=SEG_MAPPED: expandable pages unmapped
 BLK_ALLOC     -      block addr/bytes       requested bytes      cls=Pool, aux=segment addr; a block that outlives
                                                                    the engine step that allocated it
 BLK_FREE      -      block addr/bytes       -                    cls=Pool, aux=segment addr; such a block freed
@@ -71,6 +73,9 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
+
+
+SEG_MAPPED = 1  # SEG_ALLOC / SEG_FREE ``aux``: pages of an expandable segment mapped / unmapped
 
 
 class EventKind(IntEnum):

@@ -1,0 +1,94 @@
+"""The stream's allocator layer over expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True):
+mapped pages merge into runs and unmapped pages split them, as PyTorch's snapshot shows them. Before, a
+block carved from a run that had grown was "outside its segment" and the node's stream was rejected."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvguard.actuators.executor import Executor
+from kvguard.contracts.commands import Action, Command, Mode
+from kvguard.contracts.events import EVENT_DTYPE, SEG_MAPPED, EventKind
+from kvguard.contracts.units import NS_PER_S
+from kvguard.policy.strategy import Granularity, HandlingChoice
+from kvguard.producers.fleet import Fleet
+from kvguard.producers.profiles import EngineKnobs, load_profile
+from kvguard.producers.vllm_engine import VllmEngineConfig
+from kvguard.producers.workloads import load_workload
+from kvguard.streams.allocator_layer import AllocatorLayer, AllocatorLayerError
+from kvguard.streams.core import StreamConfig, StreamCore
+
+MB = 1 << 20
+BASE = 0x7F00_0000_0000
+
+
+def rows(*items) -> np.ndarray:
+    out = np.zeros(len(items), dtype=EVENT_DTYPE)
+    for i, (kind, offset, size, aux) in enumerate(items):
+        out[i]["kind"], out[i]["offset"], out[i]["size"], out[i]["aux"] = int(kind), offset, size, aux
+    return out
+
+
+SEG_ALLOC, SEG_FREE, BLK_ALLOC, BLK_FREE = EventKind.SEG_ALLOC, EventKind.SEG_FREE, EventKind.BLK_ALLOC, EventKind.BLK_FREE
+
+
+def test_maps_merge_into_one_run_and_a_block_of_the_grown_run_is_inside_it():
+    layer = AllocatorLayer()
+    layer.apply(rows((SEG_ALLOC, BASE, 20 * MB, SEG_MAPPED), (SEG_ALLOC, BASE + 20 * MB, 40 * MB, SEG_MAPPED),
+                     (BLK_ALLOC, BASE + 48 * MB, 9 * MB, BASE)))
+    m = layer.metrics()
+    assert (m.segments, m.reserved_bytes, m.allocated_bytes) == (1, 60 * MB, 9 * MB)
+    assert sorted(layer.free_blocks(BASE)) == [3 * MB, 48 * MB]
+
+
+def test_an_unmap_splits_the_run_and_refuses_pages_that_hold_a_block():
+    layer = AllocatorLayer()
+    layer.apply(rows((SEG_ALLOC, BASE, 60 * MB, SEG_MAPPED), (BLK_ALLOC, BASE, 4 * MB, BASE),
+                     (BLK_ALLOC, BASE + 50 * MB, 4 * MB, BASE)))
+    layer.apply(rows((SEG_FREE, BASE + 20 * MB, 20 * MB, SEG_MAPPED)))
+    assert sorted(layer.segment_size.items()) == [(BASE, 20 * MB), (BASE + 40 * MB, 20 * MB)]
+    assert layer.block_segment[BASE + 50 * MB] == BASE + 40 * MB
+    with pytest.raises(AllocatorLayerError, match="allocated blocks"):
+        layer.apply(rows((SEG_FREE, BASE, 20 * MB, SEG_MAPPED)))
+    layer.apply(rows((BLK_FREE, BASE + 50 * MB, 4 * MB, BASE + 40 * MB)))
+    layer.apply(rows((SEG_ALLOC, BASE + 20 * MB, 20 * MB, SEG_MAPPED)))  # mapped again: one run once more
+    assert sorted(layer.segment_size.items()) == [(BASE, 60 * MB)]
+    back = AllocatorLayer.from_dict(layer.to_dict())  # the stream's checkpoint keeps which runs grow
+    back.apply(rows((SEG_ALLOC, BASE + 60 * MB, 2 * MB, SEG_MAPPED)))
+    assert sorted(back.segment_size.items()) == [(BASE, 62 * MB)]
+
+
+def test_plain_segments_next_to_each_other_never_merge():
+    layer = AllocatorLayer()
+    layer.apply(rows((SEG_ALLOC, BASE, 20 * MB, 0), (SEG_ALLOC, BASE + 20 * MB, 20 * MB, 0)))
+    assert layer.metrics().segments == 2
+
+
+def test_the_mirror_follows_an_engine_with_expandable_segments_through_empty_cache():
+    profile = load_profile("llama3-8b-24gb-vllm", knobs=EngineKnobs(gpu_memory_utilization=0.95,
+                                                                    allocator_conf="expandable_segments:True"))
+    fleet = Fleet(1, profile, seed=0, config=VllmEngineConfig(prompt_logprobs_frac=0.1))
+    fleet.submit_workload(load_workload("azure-conv", rate_scale=1.0, window=240, seed=0))
+    core = StreamCore(StreamConfig())
+    engine = fleet.engines[0]
+    empty = Command(id="e", node=engine.node, action=Action.EMPTY_CACHE, targets=(), granularity=Granularity.REQUEST,
+                    handling=HandlingChoice.RECOMPUTE, reason="t", mode=Mode.DEFAULT, variant="v", issued_at_ns=0,
+                    ttl_ns=NS_PER_S)
+    unmapped = 0
+    for now in range(1, 241):
+        fleet.advance(now * NS_PER_S)
+        if now % 60 == 0:
+            Executor(engine).execute(empty, engine.now_ns)  # unmaps the free pages of the expandable runs
+        batches = fleet.take_batches(now * NS_PER_S)
+        for b in batches:
+            ev = b.events
+            unmapped += int(((ev["kind"] == int(SEG_FREE)) & (ev["aux"] == SEG_MAPPED)).sum())
+        core.process_many(batches)
+    assert core.counters.batches_failed == core.counters.batches_rejected == 0
+    layer = core.nodes[engine.node].mirror.allocator
+    stats = engine.memory.stats()
+    assert unmapped > 0
+    assert layer.metrics().reserved_bytes == stats["reserved_bytes"]
+    assert layer.metrics().allocated_bytes == sum(block for _, block, _, _ in engine.memory.persistent.values()) > 0
+    assert layer.metrics().segments == len(engine.memory.twin.snapshot()["segments"])
