@@ -12,6 +12,12 @@ Besides the LSTM's figures the JSON holds ``bands`` (per lead band), ``auc_ci`` 
 the threshold and slope tiers, logistic regression and gradient boosting (fitted on the ``train``
 runs of ``--data`` or of ``--baseline-data``, threshold from their ``val`` runs) and the LSTM,
 each scored on the same ticks.
+
+With ``--gpus`` > 1 the JSON also holds ``fleet_risk``: the per-fleet hazard of
+``kvguard.ml.fleet_risk`` scored on its own (label: any OOM of the fleet within the horizon; figures
+of ``kvguard.ml.evaluation.evaluate_fleet_risk``, its alarm threshold taken on these same ticks, so
+optimistic; ``bench/eval_fleet_risk.py`` calibrates it on training workloads instead). ``--data``
+holds no ticks to compute it from; there the block says so when the dataset has multi-GPU runs.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ def eval_command(
     workload_of: list[str] = []  # per trace
     runs_out = []
     duplicates = []
+    fleet_traces = []  # one per multi-GPU run: the fleet hazard's trace
     if data is not None:
         traces, workload_of, runs_out, title = _offline(predictor, data, split, mode)
     else:
@@ -88,7 +95,7 @@ def eval_command(
             task = bar.add_task("evaluating", total=len(specs), info="")
             for i, spec in enumerate(specs):
                 try:
-                    record = simulate_run(spec, tick_s=meta.tick_s, predictor=predictor)
+                    record = simulate_run(spec, tick_s=meta.tick_s, predictor=predictor, keep_ticks=gpus > 1)
                 except (DatasetError, ValueError, FileNotFoundError) as exc:
                     typer.echo(f"error: {spec.key()}: {exc}", err=True)
                     raise typer.Exit(2)
@@ -99,6 +106,8 @@ def eval_command(
                     continue
                 seen[fingerprint] = spec.key()
                 run_traces = [_trace(spec.key(), s, meta) for s in record.sequences]
+                if gpus > 1:
+                    fleet_traces.append(_fleet_trace(spec, record, meta))
                 traces.extend(run_traces)
                 workload_of.extend([spec.workload] * len(run_traces))
                 per_run = evaluate_traces(run_traces, horizon_s=meta.horizon_s, bootstrap_draws=0).to_dict()
@@ -125,6 +134,9 @@ def eval_command(
             typer.echo("error: --lowo needs --data", err=True)
             raise typer.Exit(2)
         out["leave_one_workload_out"] = _lowo(data, meta, lowo_lstm_epochs, bootstrap)
+    fleet = _fleet_block(fleet_traces, data, split, bootstrap)
+    if fleet is not None:
+        out["fleet_risk"] = fleet
     lstm, thr = out["lead_time_median_s"]["lstm"], out["lead_time_median_s"]["threshold"]
     out.update({
         "lstm_lead_vs_threshold": None if not lstm or not thr else round(lstm / thr, 3),
@@ -189,6 +201,29 @@ def _trace(run_key: str, seq, meta):
     return NodeTrace(node=f"{run_key}:{seq.node}", ts_ns=seq.ts_ns, p_oom=seq.p_oom, firing=seq.firing,
                      oom_ts_ns=seq.oom_ts_ns, tick_s=meta.tick_s, down=down, censored=censored, fleet=run_key,
                      features=seq.features)
+
+
+def _fleet_trace(spec, record, meta):
+    from kvguard.contracts.units import NS_PER_S
+    from kvguard.ml.evaluation import fleet_trace_from_ticks
+
+    ooms = [t for seq in record.sequences for t in seq.oom_ts_ns.tolist()]
+    return fleet_trace_from_ticks(spec.key(), record.ticks, ooms, int(spec.duration_s * NS_PER_S),
+                                  tick_s=meta.tick_s, horizon_s=meta.horizon_s)
+
+
+def _fleet_block(fleet_traces: list, data: Path | None, split: str, bootstrap: int) -> dict | None:
+    """The fleet hazard's figures over the simulated multi-GPU runs; for a dataset with multi-GPU runs
+    a note (it keeps features, not the ticks the hazard reads); None when there is no fleet."""
+    from kvguard.ml.evaluation import evaluate_fleet_risk
+
+    if fleet_traces:
+        return evaluate_fleet_risk(fleet_traces, bootstrap_draws=bootstrap)
+    runs = json.loads(data.with_suffix(".json").read_text()).get("runs", []) if data is not None else []
+    if any(int(r.get("n_gpus") or 1) > 1 for r in runs if r.get("split") == split):
+        return {"note": "a dataset keeps tick features, not the ticks the fleet hazard reads: score it with "
+                        "`kvguard eval --workload W --gpus N` or `python bench/eval_fleet_risk.py`"}
+    return None
 
 
 def _fit_baselines(fit_data: Path | None) -> dict | None:

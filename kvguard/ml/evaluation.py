@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvguard.contracts.units import NS_PER_S
+# the fleet hazard, evaluated on its own below (evaluate_fleet_risk)
+from kvguard.ml.fleet_risk import WINDOW_S, FleetRisk, NodeLoad, fleet_risk, fleet_series  # noqa: F401  (re-exported)
 
 DEFAULT_HORIZON_S = 300.0
 DEFAULT_ISOLATION_S = 600.0
@@ -575,3 +577,82 @@ def plot_lead_times(result: EvaluationResult, path: str, title: str = "") -> Non
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# -- the per-fleet risk forecast (kvguard.ml.fleet_risk), evaluated on its own --------------------
+#
+# label: a fleet tick t is positive iff any GPU of the fleet has an OOM in (t, t + horizon]; ticks
+# whose horizon passes the end of the run are censored. Nothing else is masked: a fleet with one GPU
+# restarting still serves, and its hazard still means something. The alarm is hazard >= threshold,
+# the threshold taken at FPR <= 5 % on other fleets (the training workloads'), or on these very ticks
+# when none is given (then said so: ``threshold_source``). Events, the bootstrap and lead times are
+# ``evaluate_traces``'s, with the fleet as one node whose OOMs are all its GPUs'.
+
+FLEET_TIER = "fleet_risk"
+
+
+def fleet_trace(fleet: str, ts_ns: np.ndarray, hazard: np.ndarray, oom_ts_ns: np.ndarray, end_ns: int | None, *,
+                tick_s: float = 10.0, horizon_s: float = DEFAULT_HORIZON_S,
+                threshold: float | None = None) -> NodeTrace:
+    """One fleet's hazard series as a trace: its OOMs are every GPU's (``oom_ts_ns``), ticks past
+    ``end_ns`` - horizon are censored, it fires while hazard >= ``threshold`` (never without one)."""
+    ts = np.asarray(ts_ns, dtype=np.int64)
+    score = np.asarray(hazard, dtype=np.float64)
+    firing = score >= threshold if threshold is not None else np.zeros(len(ts), bool)
+    return NodeTrace(node=fleet, ts_ns=ts, p_oom=score, firing={FLEET_TIER: firing},
+                     oom_ts_ns=np.sort(np.asarray(oom_ts_ns, dtype=np.int64)), tick_s=tick_s,
+                     censored=censored_mask(ts, end_ns, horizon_s), fleet=fleet)
+
+
+def fleet_trace_from_ticks(fleet: str, ticks_by_node: dict, oom_ts_ns: np.ndarray, end_ns: int | None, *,
+                           tick_s: float = 10.0, horizon_s: float = DEFAULT_HORIZON_S, threshold: float | None = None,
+                           with_down: bool = True) -> NodeTrace:
+    """``fleet_trace`` of the hazard ``fleet_series`` computes from a run's ticks (node -> Tick list)."""
+    risks = fleet_series(ticks_by_node, with_down=with_down)
+    return fleet_trace(fleet, np.array([r.ts_ns for r in risks], np.int64), np.array([r.hazard for r in risks]),
+                       oom_ts_ns, end_ns, tick_s=tick_s, horizon_s=horizon_s, threshold=threshold)
+
+
+def fleet_threshold(traces: list[NodeTrace], horizon_s: float = DEFAULT_HORIZON_S, max_fpr: float = 0.05) -> float:
+    """The hazard threshold at FPR <= ``max_fpr`` over the scored ticks of ``traces`` (calibration fleets)."""
+    ys, ss = [], []
+    for tr in traces:
+        _, scored = tr.masks()
+        ys.append(labels_for_ticks(tr.ts_ns, tr.oom_ts_ns, horizon_s)[scored])
+        ss.append(np.asarray(tr.p_oom, np.float64)[scored])
+    y = np.concatenate(ys) if ys else np.zeros(0, np.uint8)
+    if not (y == 0).any():
+        raise ValueError("no negative scored tick in the calibration fleets: no FPR to calibrate on")
+    return threshold_for_fpr(y, np.concatenate(ss), max_fpr)
+
+
+def evaluate_fleet_risk(traces: list[NodeTrace], *, threshold: float | None = None,
+                        horizon_s: float = DEFAULT_HORIZON_S, bootstrap_draws: int = BOOTSTRAP_DRAWS) -> dict:
+    """The fleet hazard's figures over ``traces`` (from ``fleet_trace``): AUC with its event-bootstrap
+    interval, recall at FPR <= 5 %, per lead band, and the lead times and false alarms of the alarm
+    hazard >= ``threshold`` (the threshold at FPR <= 5 % of these ticks when None)."""
+    source = "calibration fleets"
+    if threshold is None:
+        try:
+            threshold, source = fleet_threshold(traces, horizon_s), "these ticks (optimistic)"
+        except ValueError:  # every tick is positive: no FPR to hold, so no alarm either
+            threshold, source = float("inf"), "none: no negative tick"
+    armed = [NodeTrace(node=tr.node, ts_ns=tr.ts_ns, p_oom=tr.p_oom, oom_ts_ns=tr.oom_ts_ns, tick_s=tr.tick_s,
+                       firing={FLEET_TIER: np.asarray(tr.p_oom) >= threshold}, down=tr.down, censored=tr.censored,
+                       fleet=tr.fleet)
+             for tr in traces]
+    out = evaluate_traces(armed, tiers=(FLEET_TIER,), horizon_s=horizon_s,
+                          threshold=threshold if np.isfinite(threshold) else None,
+                          bootstrap_draws=bootstrap_draws).to_dict()
+    return {"fleets": len(traces), "auc": out["auc"], "auc_ci": out["auc_ci"], "auc_note": out["auc_note"],
+            "recall_at_fpr_5pct": out["recall_at_fpr_5pct"],
+            "threshold": round(float(threshold), 6) if np.isfinite(threshold) else None,
+            "threshold_source": source, "at_threshold": out["at_operating_threshold"],
+            "lead_time_median_s": out["lead_time_median_s"][FLEET_TIER],
+            "lead_time_recall": out["lead_time_recall"][FLEET_TIER],
+            "isolated_ooms": out["isolated_ooms"],
+            "isolated_lead_time_median_s": out["isolated_lead_time_median_s"][FLEET_TIER],
+            "false_alarms_per_fleet_hour": out["false_alarms_per_gpu_hour"][FLEET_TIER],
+            "ooms": out["ooms"], "events": out["events"], "ticks": out["ticks"],
+            "positive_ticks": out["positive_ticks"], "masked_ticks": out["masked_ticks"]["censored"],
+            "bands": out["bands"]}

@@ -30,6 +30,14 @@ tick's ``model`` field when it has one, else the state's default (a setting). Un
 ratios (0..1), seconds, bytes; allocator units become bytes where the tick says how many bytes a
 unit holds (``unit_bytes``), and stay ``*_units`` gauges (a count of allocator units) always.
 
+The fleet risk (``kvguard_fleet_risk``, ``kvguard.ml.fleet_risk``) is computed at scrape time from
+the newest minute of ticks of every node held. A *fleet* is the nodes that share a ``model``
+label: one model's serving Deployment behind one router, the unit an autoscaler scales; with no
+model label anywhere (no ``--model-label``, ticks without ``model``) every node of the export is one
+fleet, ``model=""``. Each exporter replica sees only the nodes of its partitions, so each serves the
+risk of its share of the fleet (a ratio of load to capacity of the same GPUs); take ``max`` over
+replicas.
+
 ``alertmanager_alert`` maps a ``kvguard.alerts`` record onto Alertmanager's ``/api/v2/alerts``
 shape. Inputs are duck-typed (the wire models' attributes), so this module imports no pydantic
 and never reads the clock: time is an argument.
@@ -50,6 +58,8 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.openmetrics.exposition import generate_latest as _openmetrics_format
 
 from kvguard.contracts.units import NS_PER_S
+from kvguard.ml.fleet_risk import WINDOW_S as FLEET_WINDOW_S
+from kvguard.ml.fleet_risk import NodeLoad, fleet_risk
 
 # The classic text format; prometheus_client's bytes for these (legacy-valid) names are 0.0.4 as is
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -143,6 +153,12 @@ OTHER_FAMILIES: dict[str, tuple[str, str]] = {
     "kvguard_commands_total": ("counter", "Signed commands the policy issued on kvguard.commands, by action and mode."),
     "kvguard_acks_total": ("counter", "Actuator acknowledgements on kvguard.acks, by action and outcome."),
     "kvguard_ack_units_freed_total": ("counter", "Allocator units freed by acknowledged commands."),
+    "kvguard_fleet_risk": ("gauge", "Fleet hazard level in [0, 1] from the newest minute of ticks: prompt tokens "
+                                    "taken in against the KV capacity of the GPUs up, and GPUs down. A scale-out "
+                                    "signal, not an OOM predictor (kvguard.ml.fleet_risk)."),
+    "kvguard_fleet_load_ratio": ("gauge", "Prompt tokens the fleet processed per minute over the KV token capacity of "
+                                          "its GPUs up (ratio; +Inf when none is up)."),
+    "kvguard_fleet_gpus": ("gauge", "GPUs of the fleet by state: up, or down (unsynced, stale, or routed around)."),
     "kvguard_exporter_nodes": ("gauge", "Nodes whose series the exporter holds."),
     "kvguard_exporter_nodes_limit": ("gauge", "Most nodes the exporter holds (records of further nodes are refused)."),
     "kvguard_exporter_state_events_total": ("counter", "What the exporter's state did with the records it folded, "
@@ -190,6 +206,7 @@ class _NodeSeries:
     commands: dict[tuple[str, str], int] = field(default_factory=dict)  # (action, mode) -> count
     acks: dict[tuple[str, str], int] = field(default_factory=dict)
     units_freed: int = 0
+    loads: deque = field(default_factory=deque)  # NodeLoad of the ticks shown in the newest FLEET_WINDOW_S
 
 
 class BoundedKeys:
@@ -308,6 +325,10 @@ class ExportState:
             series.labels = node_labels(series.labels[0], model)
         series.gauges = tick_gauges(tick)
         series.labelled = tick_labelled_gauges(tick)
+        series.loads.append(NodeLoad.of(tick))
+        oldest_ns = series.loads[-1].ts_ns - int(FLEET_WINDOW_S * NS_PER_S)
+        while series.loads[0].ts_ns <= oldest_ns:
+            series.loads.popleft()
 
     def _restart(self, series: _NodeSeries, epoch: int) -> None:
         """The node's producer restarted: its tick series (and the event times they are ordered
@@ -317,6 +338,7 @@ class ExportState:
         series.epoch, series.last_ts_ns = epoch, -1
         series.gauges.clear()
         series.labelled.clear()
+        series.loads.clear()
         series.counters.clear()
         series.seen_ts.clear()
         series.seen_order.clear()
@@ -415,8 +437,26 @@ class ExportState:
             out.per_node(name, "counter", help_text,
                          ((s, (), s.counters[name]) for s in nodes if name in s.counters))
         self._record_families(out, nodes)
+        self._fleet_families(out)
         self._own_families(out)
         return out.non_empty()
+
+    def fleet_risks(self) -> dict[str, Any]:
+        """model label -> ``FleetRisk`` of the nodes sharing it (nodes with a tick shown)."""
+        fleets: dict[str, dict[str, list]] = {}
+        for node, series in sorted(self.nodes.items()):
+            if series.loads:
+                fleets.setdefault(series.labels[2], {})[node] = list(series.loads)
+        return {model: fleet_risk(history) for model, history in fleets.items()}
+
+    def _fleet_families(self, out: _Families) -> None:
+        risks = sorted(self.fleet_risks().items())
+        out.plain("kvguard_fleet_risk", *_other("kvguard_fleet_risk"), [((m,), r.hazard) for m, r in risks], ("model",))
+        out.plain("kvguard_fleet_load_ratio", *_other("kvguard_fleet_load_ratio"),
+                  [((m,), r.load_ratio) for m, r in risks], ("model",))
+        out.plain("kvguard_fleet_gpus", *_other("kvguard_fleet_gpus"),
+                  [((m, state), n) for m, r in risks for state, n in (("up", r.gpus_up), ("down", r.gpus_down))],
+                  ("model", "state"))
 
     def _event_families(self, out: _Families, nodes: list[_NodeSeries]) -> None:
         out.per_node("kvguard_tick_timestamp_seconds", *_other("kvguard_tick_timestamp_seconds"),
