@@ -100,6 +100,9 @@ class EngineConfig:
     allocator_guard: bool = False  # vLLM-engine profiles: cap the token budget on allocator pressure
     batch_cap_tokens: int = 0  # the cap (tokens per step); 0 turns the guard off
     batch_cap_calm_ticks: int = 60  # ticks without allocator pressure before the cap is released
+    # whether P(OOM) at the strategy's threshold counts as allocator pressure (off on vLLM profiles:
+    # no model predicts their OOMs, and its false alarms cost SLO attainment; see README "Figures")
+    batch_cap_on_prediction: bool = True
     max_nodes: int = 10_000  # per-node state held; past it the least recently seen node is evicted
     max_epoch_jump: int = 1 << 61  # a tick of an epoch further ahead is rejected, not a restart
 
@@ -354,7 +357,8 @@ class PolicyEngine:
             pressure = f"{view.ooms} allocator OOM(s) in the last tick"
         elif view.alloc_retries:
             pressure = f"{view.alloc_retries} allocator retries (cached blocks released to serve a malloc)"
-        elif view.p_oom is not None and strategy.use_prediction and view.p_oom >= strategy.p_oom_threshold:
+        elif (cfg.batch_cap_on_prediction and view.p_oom is not None and strategy.use_prediction
+              and view.p_oom >= strategy.p_oom_threshold):
             pressure = f"P(OOM in 5 min) {view.p_oom:.2f} >= {strategy.p_oom_threshold}"
         calm = 0 if pressure else self._cap_calm.get(view.node, cfg.batch_cap_calm_ticks) + 1
         self._cap_calm[view.node] = calm

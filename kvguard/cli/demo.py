@@ -179,7 +179,7 @@ def demo(
     report: Path = typer.Option(Path("kvguard-report"), "--report", help="Directory for the report and plots "
                                                                          "(its path is printed on stderr)."),
     no_report: bool = typer.Option(False, "--no-report", help="Do not write the report."),
-    no_lstm: bool = typer.Option(False, "--no-lstm", help="Run without the LSTM tier."),
+    no_lstm: bool = typer.Option(False, "--no-lstm", help="Run without the predictor tier (tier 3)."),
     bus: str = typer.Option(None, "--bus", help="kafka://HOST:PORT runs the parts as services over Kafka."),
     redis: str = typer.Option(None, "--redis", help="redis://… puts the budget and SLO ledgers in Redis (node ids "
                                                      "then carry a run id: demo-<run>/gpu<i>)."),

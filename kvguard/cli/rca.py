@@ -14,7 +14,7 @@ from kvguard.cli.app import app
 def rca_command(
     events: Path = typer.Option(..., "--events", help="Event log (gzip JSON lines, from `simulate --events-out`)."),
     node: str = typer.Option(None, "--node", help="Only this node's OOMs."),
-    model: Path = typer.Option(None, "--model", help="Model artifact for the LSTM tier; default: shipped."),
+    model: Path = typer.Option(None, "--model", help="Model artifact for the predictor tier (trees or LSTM); default: shipped."),
     no_lstm: bool = typer.Option(False, "--no-lstm", help="Tiers 1-2 only (no P(OOM))."),
     tick: str = typer.Option(None, "--tick", help="Tick interval, e.g. 10s (default: settings streams.tick_s)."),
     window: str = typer.Option("30m", "--window", help="How far back before each OOM the plots reach."),

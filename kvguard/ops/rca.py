@@ -317,7 +317,7 @@ def summary(rep: Replay, reports: list[OomReport]) -> dict:
 def markdown(reports: list[OomReport], summ: dict, images: dict[int, str], source: str) -> str:
     lines = [f"# kvguard RCA: {source}", "",
              f"{summ['ooms']} OOM(s) on {summ['nodes']} node(s), {summ['fragmentation_ooms']} from fragmentation; "
-             f"tick {summ['tick_s']:g} s, LSTM tier {'on' if summ['lstm'] else 'off'}.", ""]
+             f"tick {summ['tick_s']:g} s, predictor tier {'on' if summ['lstm'] else 'off'}.", ""]
     if not reports:
         lines.append("No OOM in this log.")
     for i, r in enumerate(reports):

@@ -209,8 +209,9 @@ def engine_config_from(settings: Any, profile: Any, strategy_overrides: Mapping[
                         budget_f_ext=float(settings.budget.f_ext_threshold),
                         max_nodes=policy.max_nodes, max_epoch_jump=policy.max_epoch_jump,
                         # vLLM engines: the full-sequence gate already admits only what fits whole, and
-                        # their OOMs are the caching allocator's, whose peaks the token budget bounds
-                        use_headroom=not vllm, allocator_guard=vllm,
+                        # their OOMs are the caching allocator's, whose peaks the token budget bounds; the
+                        # cap follows the allocator's own pressure, not P(OOM), which predicts none of them
+                        use_headroom=not vllm, allocator_guard=vllm, batch_cap_on_prediction=not vllm,
                         batch_cap_tokens=max(profile.max_num_seqs, profile.max_batched_tokens // 2) if vllm else 0)
 
 
@@ -296,18 +297,21 @@ def _secret(settings: Any, required: bool, insecure_dev: bool = False) -> tuple[
 
 
 def _predictor(settings: Any, predictor: Any) -> tuple[Any, str]:
+    """The tier-3 predictor and a note on it (the tier keeps its historical name ``lstm`` on the wire;
+    the shipped model is gradient-boosted trees, streams/models/README.md)."""
     if predictor is None:
-        return None, "no LSTM tier (disabled)"
+        return None, "no predictor tier (disabled)"
     if not isinstance(predictor, str):
-        return predictor, "LSTM tier: given predictor"
+        return predictor, "predictor tier: given predictor"
     path = settings.predictor.model_path if predictor == "shipped" else predictor
     try:
-        # torch (the LSTM) is loaded only when a predictor is asked for
+        # torch is imported with the loader (an LSTM artifact needs it); only when a predictor is asked for
         from kvguard.streams.lstm import ModelError, load_model
     except ImportError as err:  # torch missing
-        return None, f"no LSTM tier ({err})"
+        return None, f"no predictor tier ({err})"
     try:
         model = load_model(path, expected_features=list(FEATURE_NAMES))
     except ModelError as err:
-        return None, f"no LSTM tier: {err}"
-    return model, f"LSTM tier: {path or 'shipped model'}"
+        return None, f"no predictor tier: {err}"
+    kind = "LSTM" if type(model).__name__ == "LSTMPredictor" else "boosted trees"
+    return model, f"predictor tier: {kind}, {path or 'shipped model'}"

@@ -59,7 +59,7 @@ def test_demo_records_the_run_in_the_redis_ledgers(redis_url, tmp_path):
     counted = [run["guarded"]["kvguard"]["slo"] for run in runs]
     predictions = sum(slo["predictions"][k] - before["predictions"][k] for k in ("tp", "fp", "tn", "fn"))
     assert predictions == sum(c["predictions"] for c in counted)
-    if first["guarded"]["kvguard"]["predictor"].startswith("LSTM tier:"):  # P(OOM) on the ticks
+    if first["guarded"]["kvguard"]["predictor"].startswith("predictor tier:"):  # P(OOM) on the ticks
         assert predictions > 0
     assert {t["tier"] for t in slo["tiers"]} >= {"threshold", "slope", "fragmentation"}
     ooms = slo["ooms"] - before["ooms"]

@@ -25,6 +25,7 @@ def test_the_wheel_installs_only_the_kvguard_namespace_with_its_data(tmp_path):
                                                  + ".dist-info"}
     for module in ("kvguard/policy/engine.py", "kvguard/producers/pool.py", "kvguard/streams/core.py",
                    "kvguard/actuators/actuator.py", "kvguard/producers/profiles.json",
-                   "kvguard/streams/models/oom_lstm.pt", "kvguard/producers/data/azure_llm_2023_conv.csv.gz",
+                   "kvguard/streams/models/oom_lstm.pt", "kvguard/streams/models/oom_trees.npz",
+                   "kvguard/streams/models/oom_trees.json", "kvguard/producers/data/azure_llm_2023_conv.csv.gz",
                    "kvguard/producers/data/vllm_model/config.json"):
         assert module in names, module
