@@ -282,7 +282,10 @@ def _offline(predictor, data: Path, split: str, mode: str):
     if mode not in ("window", "stateful"):
         typer.echo(f"error: --mode {mode!r}: expected 'window' or 'stateful'", err=True)
         raise typer.Exit(2)
-    scores = score_dataset(predictor.net, ds, ids, meta.normalisation, meta.window_ticks, mode)
+    if hasattr(predictor, "net"):  # the LSTM: exact windows, or its stateful path
+        scores = score_dataset(predictor.net, ds, ids, meta.normalisation, meta.window_ticks, mode)
+    else:  # a per-tick model (the shipped trees): each tick on its own, whatever the mode
+        scores = [predictor.score(ds.features[ds.seq_offsets[s]:ds.seq_offsets[s + 1]]) for s in ids]
     traces = traces_for(ds, ids, scores, meta.threshold, meta.resolve_after_s)
     runs = sorted({int(ds.seq_run[s]) for s in ids})
     runs_out = [{"run": ds.runs[r].get("key", ds.runs[r]["workload"]), "in_training": False} for r in runs]

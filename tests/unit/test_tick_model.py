@@ -155,3 +155,14 @@ def test_kvguard_train_model_boosting_writes_an_artifact_the_loader_reads(tmp_pa
     assert loaded.metadata.training["source"]["command"].endswith("--model boosting")
     bad = CliRunner().invoke(app, ["train", "--data", str(tmp_path / "d.npz"), "--model", "forest"])
     assert bad.exit_code == 2 and "expected lstm or boosting" in bad.output
+
+
+def test_kvguard_eval_scores_a_tree_model_offline_as_the_boosting_baseline_it_was_trained_as(tmp_path, ds, trained):
+    ds.save(tmp_path / "d")
+    save_tick_model(trained.trees, trained.metadata, tmp_path / "trees")
+    result = CliRunner().invoke(app, ["eval", "--model", str(tmp_path / "trees"), "--data", str(tmp_path / "d.npz"),
+                                      "--bootstrap", "0", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["model"]["version"] == trained.metadata.version
+    assert out["auc"] == pytest.approx(out["baselines"]["boosting"]["auc"])  # the same model, scored twice
