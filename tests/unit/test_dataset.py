@@ -99,13 +99,13 @@ def test_synthetic_sequences_are_deterministic_and_have_ooms():
     assert sum(len(s.oom_ts_ns) for s in a) > 0
 
 
-def synthetic_dataset():
+def synthetic_dataset(names: list[str] = NAMES):
     runs = []
     for i in range(10):
         split = "train" if i < 6 else ("val" if i < 8 else "test")
         runs.append(({"workload": f"w{i % 3}", "split": split, "seed": i},
-                     synthetic_sequences(2, 400, NAMES, seed=i, oom_rate_per_hour=2.0)))
-    return assemble(NAMES, runs)
+                     synthetic_sequences(2, 400, names, seed=i, oom_rate_per_hour=2.0)))
+    return assemble(names, runs)
 
 
 def test_training_learns_the_synthetic_signal_and_calibrates_fpr():

@@ -12,29 +12,20 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from kvguard.cli.app import app
-from kvguard.ml.dataset import assemble, synthetic_sequences
 from kvguard.ml.tick_training import export_trees, train_tick_model
 from kvguard.streams.lstm import load_model
 from kvguard.streams.metrics import FEATURE_NAMES
 from kvguard.streams.predictor import ModelError, ModelFeatureMismatch, check_predictor
 from kvguard.streams.tick_model import (TickModelMetadata, TickModelPredictor, is_tick_model, load_tick_model,
                                         save_tick_model)
+from tests.unit.test_dataset import synthetic_dataset
 
 NAMES = list(FEATURE_NAMES)
 
 
-def synthetic_dataset():
-    runs = []
-    for i in range(10):
-        split = "train" if i < 6 else ("val" if i < 8 else "test")
-        runs.append(({"workload": f"w{i % 3}", "split": split, "seed": i},
-                     synthetic_sequences(2, 400, NAMES, seed=i, oom_rate_per_hour=2.0)))
-    return assemble(NAMES, runs)
-
-
 @pytest.fixture(scope="module")
 def ds():
-    return synthetic_dataset()
+    return synthetic_dataset(NAMES)
 
 
 @pytest.fixture(scope="module")
