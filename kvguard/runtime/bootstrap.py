@@ -23,19 +23,23 @@ from typing import Any, Mapping
 
 from kvguard.actuators.actuator import Actuator, AppliedJournal
 from kvguard.actuators.executor import Executor
+from kvguard.bus.base import Bus
 from kvguard.bus.inproc import InprocBus
 from kvguard.contracts.commands import Mode
-from kvguard.policy.budget import BudgetConfig, MemoryBudgetLedger
+from kvguard.policy.budget import BudgetConfig, BudgetLedger, MemoryBudgetLedger
 from kvguard.policy.canary import Canary, CanaryConfig, CanaryConfigError, resolve_candidate
 from kvguard.policy.engine import EngineConfig, PolicyEngine
 from kvguard.policy.planner import CostModel, PlannerConfig
 from kvguard.policy.service import PolicyService, SloRecorder
-from kvguard.policy.slo import MemorySloLedger, SloConfig
+from kvguard.policy.slo import MemorySloLedger, SloConfig, SloLedger
 from kvguard.policy.strategy import PRESETS, strategy_from_mapping
 from kvguard.producers.fleet import Fleet
-from kvguard.producers.profiles import load_profile
+from kvguard.producers.engine import SeedEngineConfig
+from kvguard.producers.profiles import Profile, load_profile
+from kvguard.producers.vllm_engine import VllmEngineConfig
 from kvguard.streams.core import StreamConfig, StreamCore
 from kvguard.streams.metrics import FEATURE_NAMES
+from kvguard.streams.predictor import Predictor
 from kvguard.wire.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -59,19 +63,19 @@ class BootstrapError(ValueError):
 
 @dataclass(slots=True)
 class Graph:
-    settings: Any
-    profile: Any
+    settings: Settings
+    profile: Profile
     secret: bytes
     secret_generated: bool
-    engine_config: Any  # policy.engine.EngineConfig
-    bus: Any = None
-    ledger: Any = None
-    slo_ledger: Any = None
-    predictor: Any = None
+    engine_config: EngineConfig
+    bus: Bus | None = None
+    ledger: BudgetLedger | None = None
+    slo_ledger: SloLedger | None = None
+    predictor: Predictor | None = None
     predictor_note: str = ""
     notes: list[str] = field(default_factory=list)
-    node_config: Any = None  # the engines' own config (VllmEngineConfig / EngineConfig); None: defaults
-    canary_config: Any = None  # policy.canary.CanaryConfig; None: no canary rollout (the default)
+    node_config: VllmEngineConfig | SeedEngineConfig | None = None  # the engines' own config; None: defaults
+    canary_config: CanaryConfig | None = None  # None: no canary rollout (the default)
 
     # -- stream side ----------------------------------------------------------------------------
 
