@@ -3,6 +3,7 @@
 from kvguard.cli.app import app
 from kvguard.cli import (  # noqa: F401  (each module registers its commands on ``app``)
     budget,
+    command,
     conformance,
     dataset,
     demo,

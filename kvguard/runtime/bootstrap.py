@@ -281,6 +281,12 @@ def secret_problem(text: str) -> str | None:
     return None
 
 
+def shared_secret(settings: Any) -> bytes:
+    """The HMAC secret shared by the policy, the actuators and an operator's `kvguard command`
+    (``policy.hmac_secret``); ``BootstrapError`` naming the field when it is empty or weak."""
+    return _secret(settings, True)[0]
+
+
 def _secret(settings: Any, required: bool, insecure_dev: bool = False) -> tuple[bytes, bool]:
     text = settings.policy.hmac_secret
     if text:
