@@ -96,19 +96,25 @@ class TreeArrays:
             raise TickModelError(f"{where}: root index out of range")
 
     def raw(self, x: np.ndarray, baseline: float, max_depth: int) -> np.ndarray:
-        """Raw scores [n] for features ``x`` [n, F] (finite)."""
+        """Raw scores [n] for features ``x`` [n, F]: every (row, tree) pair walks down together, one
+        level per pass, and pairs that reached a leaf drop out of the next pass."""
         if not len(x):
             return np.zeros(0)
-        rows = np.arange(len(x))[:, None]
-        node = np.broadcast_to(self.roots, (len(x), len(self.roots))).copy()
+        n, n_trees, n_features = len(x), len(self.roots), x.shape[1]
+        node = np.tile(self.roots, n)  # flat [n * T]: row r's tree t at r * T + t
+        offset = np.repeat(np.arange(n) * n_features, n_trees)
+        flat = np.ascontiguousarray(x, dtype=np.float64).ravel()
+        active = np.flatnonzero(~self.is_leaf[node])
         for _ in range(max_depth + 1):
-            leaf = self.is_leaf[node]
-            if leaf.all():
+            if not len(active):
                 break
-            v = x[rows, self.feature[node]]
-            go_left = np.where(np.isnan(v), self.missing_left[node], v <= self.threshold[node])
-            node = np.where(leaf, node, np.where(go_left, self.left[node], self.right[node]))
-        return baseline + self.value[node].sum(axis=1)
+            at = node[active]
+            v = flat[offset[active] + self.feature[at]]
+            go_left = np.where(np.isnan(v), self.missing_left[at], v <= self.threshold[at])
+            at = np.where(go_left, self.left[at], self.right[at])
+            node[active] = at
+            active = active[~self.is_leaf[at]]
+        return baseline + self.value[node].reshape(n, n_trees).sum(axis=1)
 
 
 class TickModelPredictor:
