@@ -222,8 +222,10 @@ class VllmEngine:
         self._outstanding += request.prompt_tokens + request.max_output_tokens
 
     def is_up(self, at_ns: int) -> bool:
-        """Whether a request arriving at ``at_ns`` would be accepted (the router's health check)."""
-        return max(at_ns, self.now_ns) >= self.down_until_ns
+        """Whether the router should send a request arriving at ``at_ns`` here (its health check): the
+        worker is up and not drained (a hold of every admission fails the check, as a drained pod fails
+        its readiness probe; a request that still arrives waits for the release)."""
+        return max(at_ns, self.now_ns) >= self.down_until_ns and self._hold_cap != 0
 
     def outstanding_tokens(self) -> int:
         return self._outstanding

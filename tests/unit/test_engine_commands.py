@@ -13,7 +13,7 @@ from kvguard.policy.strategy import Granularity, HandlingChoice
 from kvguard.producers.fleet import Fleet
 from kvguard.producers.profiles import load_profile
 from kvguard.producers.vllm_engine import VllmEngine
-from kvguard.producers.workloads import Request
+from kvguard.producers.workloads import Request, load_workload
 from kvguard.streams.core import StreamConfig, StreamCore
 
 VLLM = "llama3-8b-24gb-vllm"
@@ -153,3 +153,17 @@ def test_a_command_of_each_new_action_survives_the_wire():
         c = command(action, units=123, steps=4, targets=(7,))
         back = Command.from_dict(c.to_dict())
         assert back == c
+
+
+def test_a_drained_gpu_fails_the_routers_health_check_and_new_requests_go_elsewhere():
+    fleet = Fleet(2, load_profile(VLLM))
+    drained = fleet.engines[0]
+    Executor(drained).execute(command(Action.HOLD, units=0), 0)
+    assert not drained.is_up(0) and fleet.engines[1].is_up(0)
+    fleet.submit_workload(load_workload("mixed", rate_scale=1.0, window=60, seed=0))
+    fleet.advance(60 * NS_PER_S)
+    assert fleet.routed[0] == 0 and fleet.routed[1] > 0
+    Executor(drained).execute(command(Action.RELEASE), drained.now_ns)
+    assert drained.is_up(drained.now_ns)
+    Executor(drained).execute(command(Action.HOLD, units=4000), drained.now_ns)  # a partial hold keeps it in
+    assert drained.is_up(drained.now_ns)
