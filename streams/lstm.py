@@ -163,6 +163,8 @@ def load_model(path: str | Path | None = None, *, expected_features: list[str] |
     target = path if path is not None else DEFAULT_MODEL_DIR
     if is_tick_model(target):  # the shipped default, or a `kvguard train --model boosting` artifact
         return load_tick_model(target, expected_features=expected_features)
+    if Path(target).suffix == "" and not Path(target).is_dir() and Path(f"{target}.pt").exists():
+        target = f"{target}.pt"  # a stem (streams/models/oom_lstm) names the artifact too
     weights, meta_path = _paths(target)
     for p in (weights, meta_path):
         if not p.exists():

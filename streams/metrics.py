@@ -70,6 +70,12 @@ FEATURE_NAMES: tuple[str, ...] = (
     "token_turnover",
     "decode_token_frac",
     "log_requests_waiting",
+    # the caching allocator (issue 13's new inputs): its fragmentation, the activation share of M, the
+    # reserved but unallocated share of M, and release-and-retry events in the tick
+    "alloc_f_ext",
+    "util_activation",
+    "util_reserved_unused",
+    "log_alloc_retries",
 )
 
 
@@ -80,7 +86,8 @@ def tick_features(tick: Tick) -> np.ndarray:
     as fractions of D (``dynamic_units``), pages held per request over D, throughput as the
     tick's processed tokens over processed plus stored tokens (``token_turnover``: how much of
     what the KV cache holds this tick's work replaced) and its decode share. Counts go through
-    log1p so no feature dwarfs the rest.
+    log1p so no feature dwarfs the rest. The caching allocator's state comes as its F_ext and as
+    shares of the device memory M (activations allocated, reserved but unallocated).
 
     Crash history is not an input: the OOM count and the time since the last OOM would teach a
     model that a GPU which crashed is about to crash again (the labels, read back). It stays on
@@ -111,6 +118,10 @@ def tick_features(tick: Tick) -> np.ndarray:
             processed / (processed + max(tick.tokens_stored, 0)) if processed > 0 else 0.0,
             decoded / processed if processed > 0 else 0.0,
             np.log1p(tick.requests_waiting),
+            tick.alloc_f_ext,
+            tick.util_activation,
+            tick.util_reserved_unused,
+            np.log1p(tick.alloc_retries),
         ],
         dtype=np.float32,
     )

@@ -42,6 +42,7 @@ def test_saved_model_loads_with_identical_predictions(tmp_path):
     np.testing.assert_allclose(p1, p2, rtol=0, atol=1e-6)
     np.testing.assert_allclose(traj1, traj2, rtol=0, atol=1e-6)
     assert loaded.threshold == 0.3 and loaded.metadata.version == "test"
+    assert load_model(tmp_path / "m").metadata.version == "test"  # the stem names it too (--model .../oom_lstm)
 
 
 def test_directory_path_uses_default_name_and_is_created(tmp_path):
