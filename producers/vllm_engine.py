@@ -63,7 +63,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvguard.contracts.dimensions import Granularity
-from kvguard.contracts.events import F_PRIORITY_DEFAULTED, EventKind, Handling, OomCause, OomLayer, Outcome
+from kvguard.contracts.events import F_PRIORITY_DEFAULTED, F_PROMPT_LOGPROBS, EventKind, Handling, OomCause, OomLayer, Outcome
 from kvguard.contracts.pool_types import EvictResult
 from kvguard.contracts.units import DEFAULT_PRIORITY, NS_PER_S
 from kvguard.producers.engine import GRANULARITIES, RunningView, RunSummary, SeqState, slo_fields
@@ -244,6 +244,10 @@ class VllmEngine:
                 self.priority_defaulted += 1
             priority = min(10, max(0, int(priority)))
             self.requests += 1
+            frac = self.config.prompt_logprobs_frac
+            wants_logprobs = bool(frac) and mix_hash(r.req_id, self.seed) % 1_000_000 < frac * 1_000_000
+            if wants_logprobs:
+                flags |= F_PROMPT_LOGPROBS
             rec.row(_ARRIVE, ts, r.req_id, cls=priority, flags=flags, tokens=r.prompt_tokens, aux=r.max_output_tokens)
             reason = REJECTED_RESTARTING if ts < self.down_until_ns else None
             if reason is None:
@@ -259,8 +263,7 @@ class VllmEngine:
                 rec.row(_FINISH, ts, r.req_id, flags=_REJECTED)
                 continue
             self._reqs[r.req_id] = _Req(r.req_id, ts, r.prompt_tokens, r.max_output_tokens, priority)
-            frac = self.config.prompt_logprobs_frac
-            if frac and mix_hash(r.req_id, self.seed) % 1_000_000 < frac * 1_000_000:
+            if wants_logprobs:
                 self._prompt_logprobs.add(r.req_id)
             self._quiet = False
 

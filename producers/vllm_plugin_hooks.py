@@ -236,7 +236,9 @@ class Attachment:
             new = request.request_id not in sched.requests
             orig(request)
             if new and request.request_id in sched.requests:
-                tr.on_arrive(request.request_id, request.num_prompt_tokens, request.max_tokens, request.priority)
+                params = getattr(request, "sampling_params", None)
+                tr.on_arrive(request.request_id, request.num_prompt_tokens, request.max_tokens, request.priority,
+                             prompt_logprobs=getattr(params, "prompt_logprobs", None) is not None)
         return add_request
 
     def _schedule(self, orig: Callable) -> Callable:

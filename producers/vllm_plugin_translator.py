@@ -57,6 +57,7 @@ import numpy as np
 from kvguard.contracts.events import (
     EVENT_DTYPE,
     F_PRIORITY_DEFAULTED,
+    F_PROMPT_LOGPROBS,
     F_TO_CACHE,
     EventBatch,
     EventKind,
@@ -180,12 +181,15 @@ class VllmEventTranslator:
         self._rows += _pack(self._ts, kind, cls, flags, req, offset, size, tokens, aux)
 
     # ---------------------------------------------------------------- lifecycle
-    def on_arrive(self, name: str, prompt_tokens: int, max_tokens: int, priority: int) -> None:
+    def on_arrive(self, name: str, prompt_tokens: int, max_tokens: int, priority: int,
+                  prompt_logprobs: bool = False) -> None:
         self.now()
         if self.priority_policy:
             cls, flags = min(10, max(0, 10 - int(priority))), 0
         else:
             cls, flags = DEFAULT_PRIORITY, F_PRIORITY_DEFAULTED
+        if prompt_logprobs:
+            flags |= F_PROMPT_LOGPROBS
         self._row(_ARRIVE, self.req(name), cls=cls, flags=flags, tokens=int(prompt_tokens), aux=int(max_tokens))
 
     def on_admit(self, name: str) -> None:

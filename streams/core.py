@@ -55,7 +55,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvguard.contracts import pressure
-from kvguard.contracts.events import EventBatch, EventKind, Geometry
+from kvguard.contracts.events import F_PROMPT_LOGPROBS, EventBatch, EventKind, Geometry
 from kvguard.contracts.tick import SINCE_OOM_CAP_S, Candidate, Tick
 from kvguard.contracts.units import NS_PER_S
 from kvguard.streams.alerts import Alert, AlertEvaluator, AlertThresholds, default_rules
@@ -391,6 +391,12 @@ class NodeState:
         self.events_since_tick = 0
         # waiting queue: requests whose last lifecycle event is ARRIVE/PREEMPT and that hold no page
         waiting = int(np.count_nonzero(table.waiting & ~holding))
+        # requests asking for prompt logprobs that still have prompt positions to compute (waiting, or
+        # running with fewer KV tokens than their prompt): the logits vLLM's profiling run does not count
+        held_tokens = table.units * g.unit_tokens
+        logprobs = ((table.arrive_flags & F_PROMPT_LOGPROBS) != 0) & (table.waiting | table.running) \
+            & (held_tokens < table.prompt_tokens)
+        logprob_tokens = int(np.maximum(table.prompt_tokens[logprobs] - held_tokens[logprobs], 0).sum())
         since_oom = SINCE_OOM_CAP_S if self.last_oom_ns is None else min(
             SINCE_OOM_CAP_S, max(0.0, (ts_ns - self.last_oom_ns) / NS_PER_S))
         f_ext, psi = pm.f_ext, pm.psi
@@ -428,6 +434,7 @@ class NodeState:
             alloc_f_ext=am.f_ext, alloc_segments=am.segments, alloc_retries=d.alloc_retries,
             util_activation=am.allocated_bytes / total,
             util_reserved_unused=(am.reserved_bytes - am.allocated_bytes) / total, unit_bytes=ub,
+            logprob_requests_pending=int(logprobs.sum()), logprob_prompt_tokens_pending=logprob_tokens,
         )
         self.features.push(tick_features(tick))
         if len(table.req) > 4096:

@@ -76,6 +76,9 @@ FEATURE_NAMES: tuple[str, ...] = (
     "util_activation",
     "util_reserved_unused",
     "log_alloc_retries",
+    # admission inputs: prompt positions still to compute for requests asking for prompt logprobs
+    "log_logprob_prompt_tokens_pending",
+    "log_logprob_requests_pending",
 )
 
 
@@ -122,6 +125,8 @@ def tick_features(tick: Tick) -> np.ndarray:
             tick.util_activation,
             tick.util_reserved_unused,
             np.log1p(tick.alloc_retries),
+            np.log1p(tick.logprob_prompt_tokens_pending),
+            np.log1p(tick.logprob_requests_pending),
         ],
         dtype=np.float32,
     )

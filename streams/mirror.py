@@ -131,6 +131,7 @@ class RequestTable:
     last_ts_ns: np.ndarray
     running: np.ndarray
     waiting: np.ndarray
+    arrive_flags: np.ndarray | None = None  # the ARRIVE row's flags (F_PROMPT_LOGPROBS …); 0: none seen
 
 
 class AllocatorMirror:
@@ -162,6 +163,7 @@ class AllocatorMirror:
         self._req = np.zeros(0, dtype=np.int64)
         self._priority = np.zeros(0, dtype=np.int64)
         self._prompt = np.zeros(0, dtype=np.int64)
+        self._flags = np.zeros(0, dtype=np.int64)  # per request: its ARRIVE row's flags
         self._arrival = np.zeros(0, dtype=np.int64)
         self._last_ts = np.zeros(0, dtype=np.int64)
         self._life = np.zeros(0, dtype=np.int8)
@@ -351,6 +353,7 @@ class AllocatorMirror:
                 s = row_slot[arrive]
                 self._priority[s] = ev["cls"][arrive]
                 self._prompt[s] = ev["tokens"][arrive]
+                self._flags[s] = ev["flags"][arrive]
                 self._arrival[s] = ev["ts_ns"][arrive]
         if ref_rows.size:
             self._ref_log_keys.append(row_slot[ref_rows] * self.units + ev["offset"][ref_rows])
@@ -385,6 +388,7 @@ class AllocatorMirror:
         self._req[slot] = req
         self._priority[slot] = DEFAULT_PRIORITY
         self._prompt[slot] = 0
+        self._flags[slot] = 0
         self._arrival[slot] = -1
         self._last_ts[slot] = 0
         self._life[slot] = LIFE_WAITING
@@ -397,6 +401,7 @@ class AllocatorMirror:
             out[:a.size] = a
             return out
         self._req, self._priority, self._prompt = grow(self._req), grow(self._priority), grow(self._prompt)
+        self._flags = grow(self._flags)
         self._arrival, self._last_ts, self._life = grow(self._arrival), grow(self._last_ts), grow(self._life)
 
     def _fold_refs(self) -> np.ndarray:
@@ -501,6 +506,7 @@ class AllocatorMirror:
             priority=self._priority[:n].copy(), prompt_tokens=self._prompt[:n].copy(),
             arrival_ns=self._arrival[:n].copy(), last_ts_ns=self._last_ts[:n].copy(),
             running=self._life[:n] == LIFE_RUNNING, waiting=self._life[:n] == LIFE_WAITING,
+            arrive_flags=self._flags[:n].copy(),
         )
 
     def request_pages(self, req: int) -> int:
@@ -521,7 +527,7 @@ class AllocatorMirror:
         remap[keep] = np.arange(keep.size)
         keys = self._refs
         self._refs = np.sort(remap[keys // self.units] * self.units + keys % self.units)
-        for name in ("_req", "_priority", "_prompt", "_arrival", "_last_ts", "_life"):
+        for name in ("_req", "_priority", "_prompt", "_flags", "_arrival", "_last_ts", "_life"):
             arr = getattr(self, name)
             fresh = np.zeros_like(arr)
             fresh[:keep.size] = arr[keep]
@@ -547,6 +553,7 @@ class AllocatorMirror:
             "run_state": self.run_state[occ], "run_refcount": self.refcount[occ],
             "ref_req": self._req[keys // self.units], "ref_offset": keys % self.units,
             "req": self._req[:n], "req_priority": self._priority[:n], "req_prompt": self._prompt[:n],
+            "req_flags": self._flags[:n],
             "req_arrival": self._arrival[:n], "req_last_ts": self._last_ts[:n], "req_life": self._life[:n],
             "kind_counts": self.kind_counts.copy(), "scalars": scalars,
             "allocator": np.frombuffer(json.dumps(self.allocator.to_dict()).encode(), dtype=np.uint8),
@@ -564,6 +571,8 @@ class AllocatorMirror:
         n = m._n_slots
         m._priority[:n] = arrays["req_priority"]
         m._prompt[:n] = arrays["req_prompt"]
+        if "req_flags" in arrays:  # checkpoints written before the field keep 0
+            m._flags[:n] = arrays["req_flags"]
         m._arrival[:n] = arrays["req_arrival"]
         m._last_ts[:n] = arrays["req_last_ts"]
         m._life[:n] = arrays["req_life"]

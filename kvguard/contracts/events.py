@@ -10,7 +10,8 @@ One event is one row of ``EVENT_DTYPE``. The meaning of each column per kind:
 kind          req    offset / size (units)  tokens               cls / flags / aux
 ============  =====  ======================================================================
 ARRIVE        req    -/-                    prompt tokens        cls=priority (0-10), aux=max output tokens,
-                                                                   flags=F_PRIORITY_DEFAULTED when missing
+                                                                   flags=F_PRIORITY_DEFAULTED when missing,
+                                                                   | F_PROMPT_LOGPROBS when it asks for them
 ADMIT         req    -/-                    -                    -
 FINISH        req    -/-                    tokens generated     flags=Outcome
 PREEMPT       req    -/-                    tokens to recompute  -   (its pages are released by FREE rows first)
@@ -156,6 +157,7 @@ class Handling(IntEnum):
 F_TO_CACHE = 1
 # ARRIVE flags
 F_PRIORITY_DEFAULTED = 1
+F_PROMPT_LOGPROBS = 2  # the request asks for prompt logprobs: logits for every prompt position it prefills
 
 EVENT_DTYPE = np.dtype(
     [

@@ -133,6 +133,10 @@ class Tick:
     util_reserved_unused: float = 0.0
     partial: bool = False  # the input ended inside this tick's interval (rates cover less than tick_s)
     unit_bytes: int = 0  # bytes of one KV unit (Geometry.unit_bytes): *_units fields times this are bytes
+    # requests asking for prompt logprobs (ARRIVE F_PROMPT_LOGPROBS) with prompt positions still to
+    # compute, and how many positions: logits outside vLLM's profiled peak (issue 13's admission input)
+    logprob_requests_pending: int = 0
+    logprob_prompt_tokens_pending: int = 0
 
     @property
     def ts_s(self) -> float:

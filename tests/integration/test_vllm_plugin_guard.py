@@ -94,3 +94,16 @@ def test_other_traffic_keeps_vllms_budget_and_without_cuda_the_guard_is_inert():
     cpu = Rig(600)  # the real torch here: no CUDA
     add(cpu, "eval", 3000, prompt_logprobs=1)
     assert cpu.step()["eval"] == 2048 and cpu.actions.logprobs_guard_steps == 0
+
+
+def test_the_plugin_flags_a_prompt_logprob_request_on_its_arrive_row():
+    from kvguard.contracts.events import F_PROMPT_LOGPROBS
+
+    rig = Rig(600)
+    add(rig, "eval", 300, prompt_logprobs=1)
+    add(rig, "chat", 300, prompt_logprobs=None)
+    rig.step()
+    table = rig.mirror.request_table()
+    flags = {int(r): int(f) for r, f in zip(table.req, table.arrive_flags)}
+    assert flags[rig.plugin.translator.req("eval")] & F_PROMPT_LOGPROBS
+    assert not flags[rig.plugin.translator.req("chat")] & F_PROMPT_LOGPROBS
