@@ -21,12 +21,13 @@ Arms (vLLM-engine profiles, the default): the same requests run as ``vllm_defaul
 as shipped: vLLM's defaults), ``tuned_static`` (the best static knobs of the sweep on the training
 workloads, ``kvguard/ops/tuned_static.json``), ``baseline`` (the operator's knobs —
 ``--gpu-memory-utilization``, 0.95 by default — without kvguard) and ``kvguard`` (the same knobs with
-the closed loop); ``--no-arms`` runs only the last two. Every arm serves the same share of requests
+kvguard: the closed loop and its node side); ``--no-arms`` runs only the last two. Every arm serves the same share of requests
 asking for prompt logprobs (``--prompt-logprobs-frac``, 5 %: eval traffic), whose logits vLLM's
 profiling run does not count (vllm#5907, #5067): at 0.95 the caching allocator then runs out
-during such a request's prefill chunk and the worker dies with its queue. kvguard's allocator guard
-caps the per-step token budget on allocator pressure (``policy.engine``, point 6); it does not
-make 0.95 as safe as not setting it (see README.md, "Figures").
+during such a request's prefill chunk and the worker dies with its queue. kvguard's node-side
+logprob guard sizes each step so such logits fit the allocator's headroom (``producers.vllm_engine``),
+and its allocator guard caps the per-step token budget on allocator pressure (``policy.engine``,
+point 6); README.md, "Figures", has where that beats the static settings and where it does not.
 
 On the seed's alternative profiles (``--profile llama3-8b-24gb``) the baseline fills its KV arena
 and admits on a request's first prefill chunk only; a burst of long prompts then takes the last
@@ -190,7 +191,7 @@ def demo(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Run a stressing workload through each arm (vLLM's defaults, the tuned static knobs, the
-    operator's knobs without and with kvguard's closed loop) and compare, counting every request.
+    operator's knobs without and with kvguard) and compare, counting every request.
 
     Exit status 3 when ledger writes could not be stored in Redis by the end of the run (an
     outage that outlasted it); the figures are printed all the same.
@@ -266,7 +267,7 @@ def demo(
     result["profile"] = graph.profile.name
     described = {"vllm_default": "vLLM's defaults", "tuned_static": "the best static knobs of the sweep on the "
                  "training workloads", "baseline": "the operator's knobs, no kvguard",
-                 "kvguard": "the operator's knobs, kvguard's closed loop"}
+                 "kvguard": "the operator's knobs with kvguard: the closed loop and, on vLLM, the node-side logprob guard"}
     runs = {**static_runs, "baseline": (baseline, graph.profile.name), "kvguard": (guarded, graph.profile.name)}
     result["arms"] = {name: arm_summary(run.summary, prof, described[name]) for name, (run, prof) in runs.items()}
     result["prompt_logprobs_frac"] = prompt_logprobs_frac if vllm else None
