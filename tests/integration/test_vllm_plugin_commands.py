@@ -22,12 +22,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is dep
 SECRET = "c0ffee11d00d2bad5eed0123456789abcdef0123456789abcdef0123456789ab"
 
 
-def evict(plugin, req: int, command_id: str) -> Command:
-    now = time.time_ns()
-    return sign(Command(id=command_id, node=plugin.node, action=Action.EVICT, targets=(Target(req),),
+def signed(plugin, action: Action, command_id: str, *, units: int = 0, targets: tuple[int, ...] = (),
+           mode: Mode = Mode.DEFAULT) -> Command:
+    return sign(Command(id=command_id, node=plugin.node, action=action, targets=tuple(Target(r) for r in targets),
                         granularity=Granularity.REQUEST, handling=HandlingChoice.RECOMPUTE, reason="test",
-                        mode=Mode.EMERGENCY, variant="request/lru/sync/recompute/hard", issued_at_ns=now,
-                        ttl_ns=30 * 10**9, epoch=plugin.translator.epoch), SECRET.encode())
+                        mode=mode, variant="request/lru/sync/recompute/hard", issued_at_ns=time.time_ns(),
+                        ttl_ns=30 * 10**9, units_needed=units, epoch=plugin.translator.epoch), SECRET.encode())
+
+
+def evict(plugin, req: int, command_id: str) -> Command:
+    return signed(plugin, Action.EVICT, command_id, targets=(req,), mode=Mode.EMERGENCY)
 
 
 def started(rig: Rig):
@@ -89,14 +93,6 @@ def test_a_command_for_an_idle_engine_is_acked_failed_with_the_reason():
         assert "idle" in consumer.acks[0].errors[0]
     finally:
         consumer.stop()
-
-
-def signed(plugin, action: Action, command_id: str, *, units: int = 0, targets: tuple[int, ...] = ()) -> Command:
-    now = time.time_ns()
-    return sign(Command(id=command_id, node=plugin.node, action=action, targets=tuple(Target(r) for r in targets),
-                        granularity=Granularity.REQUEST, handling=HandlingChoice.RECOMPUTE, reason="test",
-                        mode=Mode.DEFAULT, variant="request/lru/sync/recompute/hard", issued_at_ns=now,
-                        ttl_ns=30 * 10**9, units_needed=units, epoch=plugin.translator.epoch), SECRET.encode())
 
 
 def run_until_acked(rig: Rig, consumer, n: int) -> None:
