@@ -217,12 +217,13 @@ class VllmActions:
             waiting.remove_requests(self._held)
 
     def _guard_logprobs(self, sched: Any) -> None:
+        torch = self.torch
+        if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return  # inert without CUDA: no scan of the queues either
         if not any(_prefills_prompt_logprobs(r) for r in sched.running) and \
                 not any(_prefills_prompt_logprobs(r) for r in sched.waiting):
             return
         headroom = self.cuda_headroom()
-        if headroom is None:
-            return
         cap = max(16, (headroom - self.logprobs_margin_bytes) // (2 * self.logprobs_bytes_per_token))
         if cap < sched.max_num_scheduled_tokens:
             if self._saved_budget is None:
