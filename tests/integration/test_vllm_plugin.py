@@ -340,6 +340,9 @@ def test_vllms_plugin_loader_finds_the_entry_point_and_it_attaches_kvguard(tmp_p
     assert declared[0].dist is not None and declared[0].dist.name == "kvguard"
     plugins = load_plugins_by_group(ENTRY_POINT_GROUP)
     assert plugins.get("kvguard") is vllm_plugin.register
+    from kvguard.runtime import vllm_actuator  # the command side, the second entry point
+
+    assert plugins.get("kvguard-actuator") is vllm_actuator.register
 
     events_out = tmp_path / "engine.jsonl.gz"
     monkeypatch.setenv("KVGUARD_EVENTS_OUT", str(events_out))
