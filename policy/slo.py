@@ -309,7 +309,7 @@ class PredictionOutcome:
 class OutcomeTracker:
     """Labels predictions once their horizon has passed: the tick at t is positive if an OOM
     happened on its node in (t, t + horizon]. Feed ticks and OOMs in event time per node,
-    then ``resolve(now_ns)`` returns the outcomes whose horizon ended by ``now_ns``.
+    then ``resolve(now_ns)`` returns the outcomes whose horizon ended before ``now_ns``.
 
     Per-node state is bounded: a node's OOMs are kept only while it has ticks waiting for their
     label (an OOM cannot label a tick after it), a node is dropped once it has none, and at most
@@ -355,14 +355,17 @@ class OutcomeTracker:
         return len(self._pending)
 
     def resolve(self, now_ns: int) -> list[PredictionOutcome]:
-        if self._next_due_ns is None or now_ns < self._next_due_ns:
+        # a horizon (t, t + h] is closed at its end: an OOM at exactly t + h still labels the tick, and
+        # another node's record of that same instant may come first, so only horizons that ended
+        # strictly before ``now_ns`` are labelled
+        if self._next_due_ns is None or now_ns <= self._next_due_ns:
             return []
         outcomes = []
         done = []
         next_due = None
         for node, pending in self._pending.items():
             ooms = self._ooms.get(node, deque())
-            while pending and pending[0][0] + self.horizon_ns <= now_ns:
+            while pending and pending[0][0] + self.horizon_ns < now_ns:
                 ts_ns, predicted = pending.popleft()
                 while ooms and ooms[0] <= ts_ns:
                     ooms.popleft()

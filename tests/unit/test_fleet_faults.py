@@ -4,7 +4,7 @@ a node's first batch with a bogus epoch, and per-node state of the SLO outcome t
 import dataclasses
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvguard.contracts.events import EventBatch
@@ -182,6 +182,8 @@ events_per_node = st.lists(st.tuples(st.integers(0, 40), st.sampled_from(["tick"
 
 @settings(max_examples=60, deadline=None)
 @given(streams=st.lists(events_per_node, min_size=1, max_size=4), max_nodes=st.integers(4, 8))
+# found by CI: node 1's OOM at exactly its tick's horizon end, fed after node 0's tick of that instant
+@example(streams=[[(24, "tick", 0.0)], [(19, "tick", 0.0), (24, "oom", 0.0)]], max_nodes=4)
 def test_the_outcome_tracker_labels_every_tick_as_the_definition_says(streams, max_nodes):
     """Positive iff an OOM of the node lies in (t, t + horizon]; fed in event time, resolved as the
     policy does (at every tick's time), then at the end."""
