@@ -220,8 +220,9 @@ def test_outcome_tracker_labels_ticks_by_an_oom_within_the_horizon():
         tracker.observe_tick("a", t * s, 0.9 if t >= 200 else 0.1)
     tracker.observe_tick("a", 500 * s, None)  # no prediction yet: no outcome
     tracker.observe_oom("a", 450 * s)
-    assert tracker.resolve(400 * s) == [tracker_outcome("a", 0, False, False),
-                                        tracker_outcome("a", 100, False, False)]
+    # tick 100's horizon (100, 400] ends at 400: an OOM stamped 400 s could still come, so it waits
+    assert tracker.resolve(400 * s) == [tracker_outcome("a", 0, False, False)]
+    assert tracker.resolve(400 * s + 1) == [tracker_outcome("a", 100, False, False)]
     rest = tracker.resolve(10_000 * s)
     assert [(o.ts_ns // s, o.predicted, o.actual) for o in rest] == [
         (200, True, True), (300, True, True), (400, True, True)]
