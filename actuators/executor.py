@@ -68,8 +68,9 @@ class Executor:
             Action.COMPACT: self._compact,
             Action.RECLAIM: self._reclaim,
             Action.HEADROOM: self._headroom,
-            Action.BATCH_CAP: self._batch_cap,
-            Action.HOLD: self._hold,
+            Action.BATCH_CAP: self._knob("set_batch_token_cap", "batch_cap: this engine has no per-step token "
+                                                                "budget to cap"),
+            Action.HOLD: self._knob("hold_admissions", "hold: this engine has no admission hold"),
             Action.RELEASE: self._release,
             Action.ABORT: self._abort,
             Action.EMPTY_CACHE: self._empty_cache,
@@ -81,22 +82,7 @@ class Executor:
     # -- actions -----------------------------------------------------------------------------
 
     def _evict(self, command: Command, now_ns: int) -> ExecutionResult:
-        freed = done = noop = 0
-        errors: list[str] = []
-        for target in command.targets:
-            try:
-                units, note = self._evict_one(target, command, now_ns)
-            except Exception as err:  # one bad target must not stop the others
-                errors.append(f"req {target.req}: {type(err).__name__}: {err}")
-                continue
-            if note:
-                errors.append(note)
-            if units is None:
-                noop += 1
-            else:
-                done += 1
-                freed += units
-        return _result(freed, 0, done, noop, errors)
+        return _per_target(command, lambda target: self._evict_one(target, command, now_ns))
 
     def _evict_one(self, target: Target, command: Command, now_ns: int) -> tuple[int | None, str]:
         """Units freed from one target (None: nothing to do), and a note when it fell back."""
@@ -142,19 +128,16 @@ class Executor:
         self.engine.set_admission_headroom(max(0, int(command.units_needed)))
         return _result(0, 0, 1, 0, [])
 
-    def _batch_cap(self, command: Command, now_ns: int) -> ExecutionResult:
-        cap = getattr(self.engine, "set_batch_token_cap", None)
-        if cap is None:
-            return _result(0, 0, 0, 1, ["batch_cap: this engine has no per-step token budget to cap"])
-        cap(max(0, int(command.units_needed)), max(0, int(command.max_moves)))
-        return _result(0, 0, 1, 0, [])
-
-    def _hold(self, command: Command, now_ns: int) -> ExecutionResult:
-        hold = getattr(self.engine, "hold_admissions", None)
-        if hold is None:
-            return _result(0, 0, 0, 1, ["hold: this engine has no admission hold"])
-        hold(max(0, int(command.units_needed)), max(0, int(command.max_moves)))
-        return _result(0, 0, 1, 0, [])
+    def _knob(self, entry: str, missing: str) -> Callable[[Command, int], ExecutionResult]:
+        """An action that sets one engine knob to (``units_needed``, ``max_moves``): the token cap, the
+        admission hold. NOOP with ``missing`` when the engine has no such knob."""
+        def run(command: Command, now_ns: int) -> ExecutionResult:
+            setter = getattr(self.engine, entry, None)
+            if setter is None:
+                return _result(0, 0, 0, 1, [missing])
+            setter(max(0, int(command.units_needed)), max(0, int(command.max_moves)))
+            return _result(0, 0, 1, 0, [])
+        return run
 
     def _release(self, command: Command, now_ns: int) -> ExecutionResult:
         release = getattr(self.engine, "release_admissions", None)
@@ -166,20 +149,7 @@ class Executor:
         abort = getattr(self.engine, "abort_request", None)
         if abort is None:
             return _result(0, 0, 0, len(command.targets) or 1, ["abort: this engine cannot abort a request"])
-        freed = done = noop = 0
-        errors: list[str] = []
-        for target in command.targets:
-            try:
-                units = abort(target.req, now_ns)
-            except Exception as err:  # one bad target must not stop the others
-                errors.append(f"req {target.req}: {type(err).__name__}: {err}")
-                continue
-            if units is None:
-                noop += 1
-            else:
-                done += 1
-                freed += int(units)
-        return _result(freed, 0, done, noop, errors)
+        return _per_target(command, lambda target: (abort(target.req, now_ns), ""))
 
     def _empty_cache(self, command: Command, now_ns: int) -> ExecutionResult:
         empty = getattr(self.engine, "empty_cache", None)
@@ -223,6 +193,27 @@ class Executor:
             chosen.append(p.offset)
             units += p.size
         return chosen
+
+
+def _per_target(command: Command, act: Callable[[Target], tuple[int | None, str]]) -> ExecutionResult:
+    """``act`` on each target: (units freed, or None for nothing to do; a note). One failing target
+    does not stop the others; its error goes into the ack."""
+    freed = done = noop = 0
+    errors: list[str] = []
+    for target in command.targets:
+        try:
+            units, note = act(target)
+        except Exception as err:  # one bad target must not stop the others
+            errors.append(f"req {target.req}: {type(err).__name__}: {err}")
+            continue
+        if note:
+            errors.append(note)
+        if units is None:
+            noop += 1
+        else:
+            done += 1
+            freed += int(units)
+    return _result(freed, 0, done, noop, errors)
 
 
 def _result(freed: int, moved: int, done: int, noop: int, errors: list[str]) -> ExecutionResult:

@@ -39,14 +39,8 @@ import numpy as np
 
 from kvguard.contracts.units import NS_PER_S
 from kvguard.ml.dataset import RunSpec, preset_small, preset_vllm, simulate_run
-from kvguard.ml.evaluation import (
-    DEFAULT_HORIZON_S,
-    evaluate_fleet_risk,
-    fleet_series,
-    fleet_threshold,
-    fleet_trace,
-)
-from kvguard.ml.fleet_risk import WINDOW_S
+from kvguard.ml.evaluation import DEFAULT_HORIZON_S, evaluate_fleet_risk, fleet_threshold, fleet_trace
+from kvguard.ml.fleet_risk import WINDOW_S, fleet_series
 
 # Held-out fleets across load levels, quiet hours to overload (the preset's test runs have OOMs every few
 # minutes, so a fleet there is at risk nearly all the time and the label has few negatives)

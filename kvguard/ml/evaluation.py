@@ -40,8 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvguard.contracts.units import NS_PER_S
-# the fleet hazard, evaluated on its own below (evaluate_fleet_risk)
-from kvguard.ml.fleet_risk import WINDOW_S, FleetRisk, NodeLoad, fleet_risk, fleet_series  # noqa: F401  (re-exported)
+from kvguard.ml.fleet_risk import fleet_series  # the fleet hazard, evaluated on its own below
 
 DEFAULT_HORIZON_S = 300.0
 DEFAULT_ISOLATION_S = 600.0
