@@ -475,11 +475,27 @@ def _sampler(o: _Ops, s: ModelShape, rows: int, batch_kind: str, top_k: int,
         o.free(f32)
 
 
-def prompt_logprobs_bytes_per_token(s: ModelShape) -> int:
+def prompt_logprobs_row_bytes(vocab_size: int, dtype_bytes: int) -> int:
     """What one prompt position of a request asking for prompt logprobs allocates outside the profiled
-    peak (``_prompt_logprobs``): its logits row (padded vocab, model dtype) and its float32 log-softmax
-    row, plus its token id. The logprob guard (``producers.vllm_engine``, the plugin) sizes steps by it."""
-    return s.padded_vocab * s.dtype_bytes + s.vocab_size * 4 + 8
+    peak (``_prompt_logprobs``): its logits row (vocab padded as the lm_head pads it, model dtype) and
+    its float32 log-softmax row, plus its token id."""
+    return _round_up(vocab_size, VOCAB_PADDING) * dtype_bytes + vocab_size * 4 + 8
+
+
+def prompt_logprobs_bytes_per_token(s: ModelShape) -> int:
+    return prompt_logprobs_row_bytes(s.vocab_size, s.dtype_bytes)
+
+
+LOGPROBS_GUARD_MIN_TOKENS = 16  # the logprob guard never stops a prefill: at least this many tokens per step
+
+
+def logprobs_step_cap(headroom_bytes: int, row_bytes: int, margin_bytes: int) -> int:
+    """kvguard's logprob guard (the shadow engine and the plugin): the most tokens one step may schedule
+    while a prompt-logprob request prefills, so that its logits rows fit ``headroom_bytes`` (what the
+    caching allocator can still get) less ``margin_bytes``. Two requests' rows can be live at once (the
+    rebind in ``_prompt_logprobs``): half the headroom. vLLM's workaround for these OOMs (vllm#5424:
+    bound the tokens per batch), per step."""
+    return max(LOGPROBS_GUARD_MIN_TOKENS, (headroom_bytes - margin_bytes) // (2 * row_bytes))
 
 
 def _prompt_logprobs(o: _Ops, s: ModelShape, prompt_lens, logits_counts) -> None:

@@ -70,7 +70,7 @@ from kvguard.producers.engine import GRANULARITIES, RunningView, RunSummary, Seq
 from kvguard.producers.kv_blocks import prompt_block_keys
 from kvguard.producers.profiles import Profile
 from kvguard.producers.scheduler import VLLM_VERSION_FOLLOWED, SchedulerConfig, SeqStatus
-from kvguard.producers.step_memory import Batch, prompt_logprobs_bytes_per_token
+from kvguard.producers.step_memory import Batch, logprobs_step_cap, prompt_logprobs_bytes_per_token
 from kvguard.producers.vllm_engine_fused import fused_decode
 from kvguard.producers.vllm_engine_kv import BlockPoolView, EngineScheduler, EventRecorder
 from kvguard.producers.vllm_engine_memory import StepOOM, WorkerMemory
@@ -82,7 +82,6 @@ _ARRIVE, _FINISH, _OOM, _RESET = int(EventKind.ARRIVE), int(EventKind.FINISH), i
 _FILL, _STEP = int(EventKind.FILL), int(EventKind.STEP)
 _COMPLETED, _FAILED, _REJECTED = int(Outcome.COMPLETED), int(Outcome.FAILED_OOM), int(Outcome.REJECTED)
 _ABORTED = int(Outcome.ABORTED)
-LOGPROBS_GUARD_MIN_TOKENS = 16  # the guard never stops a prefill: at least this many tokens per step
 
 
 @dataclass(slots=True)
@@ -356,9 +355,8 @@ class VllmEngine:
                    for rid in self._prompt_logprobs):
             return
         stats = self.memory.stats()
-        headroom = (stats["device_free_bytes"] + stats["reserved_bytes"] - stats["allocated_bytes"]
-                    - self.config.logprobs_guard_margin_bytes)
-        cap = max(LOGPROBS_GUARD_MIN_TOKENS, headroom // (2 * self._logprobs_bytes_per_token))
+        headroom = stats["device_free_bytes"] + stats["reserved_bytes"] - stats["allocated_bytes"]
+        cap = logprobs_step_cap(headroom, self._logprobs_bytes_per_token, self.config.logprobs_guard_margin_bytes)
         if cap < sched.max_num_scheduled_tokens:
             sched.max_num_scheduled_tokens = int(cap)
             self.logprobs_guard_steps += 1

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvguard.contracts.events import EventBatch
+from kvguard.producers.step_memory import prompt_logprobs_row_bytes
 from kvguard.producers.vllm_plugin_actions import ExecutorEngine, VllmActions
 from kvguard.producers.vllm_plugin_hooks import Attachment
 from kvguard.producers.vllm_plugin_memory import CudaMemoryObserver
@@ -261,8 +262,7 @@ def prompt_logprobs_bytes(scheduler: Any) -> int | None:
         itemsize = int(model.dtype.itemsize)
     except (AttributeError, TypeError, ValueError):
         return None
-    padded = -(-vocab // 64) * 64
-    return padded * itemsize + vocab * 4 + 8
+    return prompt_logprobs_row_bytes(vocab, itemsize)
 
 
 def _import_torch() -> Any:

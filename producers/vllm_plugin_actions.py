@@ -52,6 +52,7 @@ from typing import Any
 
 from kvguard.contracts.events import Handling
 from kvguard.contracts.pool_types import EvictResult, UnknownRequest
+from kvguard.producers.step_memory import logprobs_step_cap
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +225,7 @@ class VllmActions:
                 not any(_prefills_prompt_logprobs(r) for r in sched.waiting):
             return
         headroom = self.cuda_headroom()
-        cap = max(16, (headroom - self.logprobs_margin_bytes) // (2 * self.logprobs_bytes_per_token))
+        cap = logprobs_step_cap(headroom, self.logprobs_bytes_per_token, self.logprobs_margin_bytes)
         if cap < sched.max_num_scheduled_tokens:
             if self._saved_budget is None:
                 self._saved_budget = sched.max_num_scheduled_tokens
