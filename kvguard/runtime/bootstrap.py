@@ -40,6 +40,7 @@ from kvguard.producers.vllm_engine import VllmEngineConfig
 from kvguard.streams.core import StreamConfig, StreamCore
 from kvguard.streams.metrics import FEATURE_NAMES
 from kvguard.streams.predictor import Predictor
+from kvguard.streams.tick_model import TickModelPredictor
 from kvguard.wire.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -323,5 +324,5 @@ def _predictor(settings: Any, predictor: Any) -> tuple[Any, str]:
         model = load_model(path, expected_features=list(FEATURE_NAMES))
     except ModelError as err:
         return None, f"no predictor tier: {err}"
-    kind = "LSTM" if type(model).__name__ == "LSTMPredictor" else "boosted trees"
+    kind = "boosted trees" if isinstance(model, TickModelPredictor) else "LSTM"
     return model, f"predictor tier: {kind}, {path or 'shipped model'}"
