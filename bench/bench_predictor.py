@@ -42,12 +42,13 @@ def main() -> None:
 
     import torch
 
-    from kvguard.streams.lstm import LSTMPredictor, ModelError, ModelMetadata, Normalisation, OOMNet, load_model
+    from kvguard.streams.loader import load_predictor
+    from kvguard.streams.lstm import LSTMPredictor, ModelError, ModelMetadata, Normalisation, OOMNet
     from kvguard.streams.metrics import FEATURE_NAMES
     from kvguard.streams.predictor import window_from_history
 
     try:
-        predictor = load_model(args.model, expected_features=list(FEATURE_NAMES), threads=args.threads)
+        predictor = load_predictor(args.model, expected_features=list(FEATURE_NAMES), threads=args.threads)
         source = args.model or "shipped"
     except ModelError:
         torch.manual_seed(0)

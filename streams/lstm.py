@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import pickle
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from kvguard.streams.predictor import ModelError, ModelFeatureMismatch
-from kvguard.streams.tick_model import is_tick_model, load_tick_model
 
 MODEL_FORMAT = "kvguard-oom-lstm/1"
 DEFAULT_MODEL_DIR = Path(__file__).with_name("models")
@@ -156,13 +155,12 @@ def save_model(net: OOMNet, metadata: ModelMetadata, path: str | Path) -> tuple[
 
 def load_model(path: str | Path | None = None, *, expected_features: list[str] | None = None,
                threads: int | None = 1) -> "LSTMPredictor":
-    """Load an artifact (default: the shipped model) and check its features against ``expected_features``.
+    """Load an LSTM artifact (default: the committed one, streams/models/oom_lstm) and check its features
+    against ``expected_features``. ``streams.loader.load_predictor`` loads whichever model an artifact is.
 
     ``threads`` sets torch's (process-wide) CPU thread count: inference is small and the cores are shared.
     """
     target = path if path is not None else DEFAULT_MODEL_DIR
-    if is_tick_model(target):  # the shipped default, or a `kvguard train --model boosting` artifact
-        return load_tick_model(target, expected_features=expected_features)
     if Path(target).suffix == "" and not Path(target).is_dir() and Path(f"{target}.pt").exists():
         target = f"{target}.pt"  # a stem (streams/models/oom_lstm) names the artifact too
     weights, meta_path = _paths(target)
@@ -304,12 +302,6 @@ class LSTMPredictor:
             self._h[:, row] = 0.0
             self._c[:, row] = 0.0
             self._ages[row] = 0
-
-
-def with_model_threshold(config, predictor: "LSTMPredictor"):
-    """A ``streams.core.StreamConfig`` whose tier-3 rule fires at the model's calibrated threshold
-    (``AlertThresholds.p_oom``), which is what the held-out metrics in its metadata assume."""
-    return replace(config, thresholds=replace(config.thresholds, p_oom=float(predictor.threshold)))
 
 
 def describe(meta: ModelMetadata) -> dict:

@@ -59,20 +59,20 @@ def eval_command(
     report: Path = typer.Option(None, "--report", help="Directory for roc.png, lead_times.png, bands.md, eval.json."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
-    """Evaluate OOM prediction (LSTM) and the threshold/slope tiers on workloads, baseline engine."""
+    """Evaluate OOM prediction (the shipped model, or --model) beside the threshold and slope tiers and the baselines."""
     from rich.console import Console
 
     from kvguard.cli.dataset import progress_bar
     from kvguard.cli.simulate import parse_duration
     from kvguard.ml.dataset import DatasetError, RunSpec, run_fingerprint, simulate_run
     from kvguard.ml.evaluation import NodeTrace, evaluate_traces, plot_lead_times, plot_roc
-    from kvguard.streams.lstm import ModelError, load_model
+    from kvguard.streams.loader import ModelError, load_predictor
     from kvguard.streams.metrics import FEATURE_NAMES
 
     console = Console(stderr=True)
     duration_s = parse_duration(duration)
     try:
-        predictor = load_model(model, expected_features=list(FEATURE_NAMES))
+        predictor = load_predictor(model, expected_features=list(FEATURE_NAMES))
     except ModelError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

@@ -52,11 +52,11 @@ def metrics(
         raise typer.Exit(2) from None
     predictor = None
     if model is not None:
-        from kvguard.streams.lstm import ModelError, load_model
+        from kvguard.streams.loader import ModelError, load_predictor
         from kvguard.streams.metrics import FEATURE_NAMES
 
         try:
-            predictor = load_model(model, expected_features=list(FEATURE_NAMES))
+            predictor = load_predictor(model, expected_features=list(FEATURE_NAMES))
         except ModelError as exc:
             typer.echo(f"--model: {exc}", err=True)
             raise typer.Exit(2) from None

@@ -47,11 +47,11 @@ def worker(
     predictor = None
     model_path = model or (Path(settings.predictor.model_path) if settings.predictor.model_path else None)
     if model_path is not None:
-        from kvguard.streams.lstm import ModelError, load_model
+        from kvguard.streams.loader import ModelError, load_predictor
         from kvguard.streams.metrics import FEATURE_NAMES
 
         try:
-            predictor = load_model(model_path, expected_features=list(FEATURE_NAMES))
+            predictor = load_predictor(model_path, expected_features=list(FEATURE_NAMES))
         except ModelError as exc:
             typer.echo(f"model: {exc}", err=True)
             raise typer.Exit(2) from None

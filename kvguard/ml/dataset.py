@@ -39,6 +39,7 @@ from kvguard.producers.vllm_engine import VllmEngineConfig
 from kvguard.producers.workloads import SCENARIOS, load_workload, resolve_trace_path
 from kvguard.streams.alerts import FIRING
 from kvguard.streams.core import StreamConfig, StreamCore
+from kvguard.streams.loader import with_model_threshold
 from kvguard.streams.metrics import FEATURE_NAMES, tick_features
 from kvguard.wire.eventlog import read_event_log
 
@@ -501,9 +502,6 @@ def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ti
     fleet.submit_workload(workload)
     config = StreamConfig(tick_s=tick_s)
     if getattr(predictor, "threshold", None) is not None:  # the model's calibrated operating point
-        # the LSTM module loads torch: only when a model is given
-        from kvguard.streams.lstm import with_model_threshold
-
         config = with_model_threshold(config, predictor)
     core = StreamCore(config, predictor=predictor)
     feats: dict[str, list[np.ndarray]] = {n: [] for n in fleet.nodes}

@@ -39,7 +39,8 @@ from kvguard.producers.profiles import Profile, load_profile
 from kvguard.producers.vllm_engine import VllmEngineConfig
 from kvguard.streams.core import StreamConfig, StreamCore
 from kvguard.streams.metrics import FEATURE_NAMES
-from kvguard.streams.predictor import Predictor
+from kvguard.streams.loader import load_predictor, with_model_threshold
+from kvguard.streams.predictor import ModelError, Predictor
 from kvguard.streams.tick_model import TickModelPredictor
 from kvguard.wire.settings import Settings
 
@@ -84,9 +85,6 @@ class Graph:
         section = self.settings.predictor
         config = StreamConfig.from_settings(self.settings.streams, section, **overrides)
         if "threshold" not in section.model_fields_set and self.predictor is not None:
-            # torch (the LSTM) is loaded only when a predictor runs
-            from kvguard.streams.lstm import with_model_threshold
-
             config = with_model_threshold(config, self.predictor)
         return config
 
@@ -316,12 +314,9 @@ def _predictor(settings: Any, predictor: Any) -> tuple[Any, str]:
         return predictor, "predictor tier: given predictor"
     path = settings.predictor.model_path if predictor == "shipped" else predictor
     try:
-        # torch is imported with the loader (an LSTM artifact needs it); only when a predictor is asked for
-        from kvguard.streams.lstm import ModelError, load_model
-    except ImportError as err:  # torch missing
+        model = load_predictor(path, expected_features=list(FEATURE_NAMES))
+    except ImportError as err:  # an LSTM artifact without torch installed
         return None, f"no predictor tier ({err})"
-    try:
-        model = load_model(path, expected_features=list(FEATURE_NAMES))
     except ModelError as err:
         return None, f"no predictor tier: {err}"
     kind = "boosted trees" if isinstance(model, TickModelPredictor) else "LSTM"

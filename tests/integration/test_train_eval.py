@@ -93,7 +93,7 @@ def test_eval_runs_engine_stream_and_all_three_tiers(model_dir, workdir):
 
 def test_offline_scores_equal_the_stream_core_scores(model_dir):
     from kvguard.ml.training import score_sequence
-    from kvguard.streams.lstm import load_model
+    from kvguard.streams.loader import load_predictor as load_model
 
     predictor = load_model(model_dir, expected_features=list(FEATURE_NAMES))
     record = simulate_run(RunSpec("azure-code", 0.4, duration_s=600, split="test"), predictor=predictor)

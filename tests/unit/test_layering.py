@@ -36,7 +36,8 @@ OLD_TOP_LEVEL = ("producers", "streams", "policy", "actuators", "tests.rigs")
 # Everything else in a wing is internal to it.
 PUBLIC = {
     "kvguard.producers": {"engine", "fleet", "profiles", "workloads", "publisher", "vllm_engine"},
-    "kvguard.streams": {"alerts", "core", "embedded", "lstm", "metrics", "mirror", "outputs", "predictor", "tick_model"},
+    "kvguard.streams": {"alerts", "core", "embedded", "loader", "lstm", "metrics", "mirror", "outputs", "predictor",
+                        "tick_model"},
     "kvguard.policy": {"engine", "service", "strategy", "budget", "slo"},
     "kvguard.actuators": {"actuator", "executor"},
     "kvguard.ml": {"dataset", "evaluation", "training", "baselines", "tick_training", "fleet_risk"},

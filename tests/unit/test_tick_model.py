@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from kvguard.cli.app import app
 from kvguard.ml.tick_training import export_trees, train_tick_model
-from kvguard.streams.lstm import load_model
+from kvguard.streams.loader import load_predictor as load_model
 from kvguard.streams.metrics import FEATURE_NAMES
 from kvguard.streams.predictor import ModelError, ModelFeatureMismatch, check_predictor
 from kvguard.streams.tick_model import (TickModelMetadata, TickModelPredictor, is_tick_model, load_tick_model,
