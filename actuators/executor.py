@@ -58,7 +58,7 @@ class ExecutionResult:
 
 
 class Executor:
-    """Executes commands on one engine (``producers.engine.Engine``: ``evict_request``,
+    """Executes commands on one engine (``producers.sim.seed.engine.Engine``: ``evict_request``,
     ``compact``, ``pool``)."""
 
     def __init__(self, engine: Any) -> None:

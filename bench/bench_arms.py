@@ -47,12 +47,10 @@ FIELDS = ("ooms", "preemptions", "failed", "rejected", "slo_attainment", "slo_go
 
 def run_seed(job: tuple) -> dict:
     """All four arms of one (workload, rate, seed)."""
-    from kvguard.producers.profiles import EngineKnobs
-    from kvguard.producers.vllm_engine import VllmEngineConfig
+    from kvguard.producers.sim.profiles import EngineKnobs, load_profile
+    from kvguard.producers.sim.vllm.engine import VllmEngineConfig
     from kvguard.runtime.bootstrap import bootstrap
     from kvguard.runtime.embedded import demo_workload, run_embedded, static_arms
-
-    from kvguard.producers.profiles import load_profile
 
     workload, rate, seed, gpus, duration_s, frac, lstm = job
     logging.disable(logging.WARNING)  # mode changes and outages are the runs' own business here

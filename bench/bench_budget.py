@@ -56,7 +56,7 @@ def main() -> None:
     server = None
     url = os.environ.get("REDIS_URL")
     if not url:
-        from kvguard.runtime.rigs.redis_server import RedisServer
+        from kvguard.testing.rigs.redis_server import RedisServer
 
         server = RedisServer().start()
         url = server.url

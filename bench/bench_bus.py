@@ -83,8 +83,8 @@ async def bench_kafka(bootstrap: str, batches: list[EventBatch]) -> dict:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
     from kvguard.bus.kafka import KafkaBus, create_topics
+    from kvguard.config.settings import Settings, TopicSpec
     from kvguard.producers.publisher import NodePublisher
-    from kvguard.wire.settings import Settings, TopicSpec
 
     run = uuid.uuid4().hex[:8]
     topics = {f"bench.{run}.{name}": TopicSpec(name=name, partitions=6) for name in ("kv", "raw", "pub")}
@@ -207,7 +207,7 @@ def main() -> None:
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP")
     broker = None
     if not bootstrap:
-        from kvguard.runtime.rigs import TansuBroker
+        from kvguard.testing.rigs import TansuBroker
 
         broker = TansuBroker().start()
         bootstrap = broker.bootstrap

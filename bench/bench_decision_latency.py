@@ -1,6 +1,6 @@
 """Decision latency over loopback Kafka: event time → command executed on the node.
 
-Uses ``$KAFKA_BOOTSTRAP`` when set, else a private Tansu broker (``kvguard/runtime/rigs``). Runs the real
+Uses ``$KAFKA_BOOTSTRAP`` when set, else a private Tansu broker (``kvguard/testing/rigs``). Runs the real
 pipeline in real time (``--speed 1``: event time is wall time):
 
   node (shadow engine, publisher, actuators)
@@ -71,11 +71,11 @@ async def run(opts, bootstrap: str, work: Path) -> dict:
     import numpy as np
 
     from kvguard.bus.kafka import create_topics
+    from kvguard.config.settings import Settings
     from kvguard.runtime.bootstrap import bootstrap as build
     from kvguard.runtime.bootstrap import make_bus
     from kvguard.runtime.embedded import demo_workload
     from kvguard.runtime.node import run_node
-    from kvguard.wire.settings import Settings
 
     prefix = f"lat{uuid.uuid4().hex[:8]}."
     settings = Settings(
@@ -152,7 +152,7 @@ def main() -> None:
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP")
     broker = None
     if not bootstrap:
-        from kvguard.runtime.rigs import TansuBroker
+        from kvguard.testing.rigs import TansuBroker
 
         broker = TansuBroker().start()
         bootstrap = broker.bootstrap

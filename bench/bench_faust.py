@@ -1,7 +1,7 @@
 """End-to-end stream throughput through Kafka + Faust for one worker, and its ratio to a raw
 aiokafka consumer reading the same records.
 
-Uses ``$KAFKA_BOOTSTRAP`` when set, else a private Tansu broker (``kvguard/runtime/rigs``). Publishes a
+Uses ``$KAFKA_BOOTSTRAP`` when set, else a private Tansu broker (``kvguard/testing/rigs``). Publishes a
 shadow-engine log (``--gpus`` GPUs, ``--seconds`` of event time, a batch per node every
 ``--flush-s``) to a fresh events topic first, then:
 
@@ -31,9 +31,9 @@ from kvguard.contracts.units import NS_PER_S
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def make_batches(gpus: int, seconds: int, flush_s: float, rate_scale: float, seed: int):
-    from kvguard.producers.fleet import Fleet
-    from kvguard.producers.profiles import load_profile
-    from kvguard.producers.workloads import load_workload
+    from kvguard.producers.sim.fleet import Fleet
+    from kvguard.producers.sim.profiles import load_profile
+    from kvguard.producers.sim.workloads import load_workload
 
     fleet = Fleet(gpus, load_profile(), seed=seed)
     fleet.submit_workload(load_workload("mixed", rate_scale=rate_scale, window=seconds, seed=seed))
@@ -148,12 +148,12 @@ def main(argv=None) -> int:
     import logging
 
     logging.basicConfig(level=logging.ERROR)
-    from kvguard.wire.settings import TOPIC_KINDS, Settings
+    from kvguard.config.settings import TOPIC_KINDS, Settings
 
     broker = None
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP")
     if not bootstrap:
-        from kvguard.runtime.rigs import TansuBroker
+        from kvguard.testing.rigs import TansuBroker
 
         broker = TansuBroker().start()
         bootstrap = broker.bootstrap
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
         raw_s, raw_seen = asyncio.run(raw_consume(settings, len(batches)))
         noop_app = f"kvguard-bench-noop-{uuid.uuid4().hex[:6]}"
         from kvguard.bus.kafka import create_topics
-        from kvguard.wire.settings import TopicSpec
+        from kvguard.config.settings import TopicSpec
 
         asyncio.run(create_topics(settings, {f"{noop_app}-__assignor-__leader": TopicSpec(name="x", partitions=1)}))
         noop_s = asyncio.run(faust_noop_consume(settings, len(batches), noop_app))

@@ -1,7 +1,7 @@
 """Fleet-scale load and soak: 1,000 GPUs' event batches through the stream core and the policy engine.
 
 The shadow engine records ``--record-gpus`` GPUs for ``--record-s`` simulated seconds
-(``producers.fleet``: a batch per GPU per second of event time, a snapshot a minute); each of the
+(``producers.sim.fleet``: a batch per GPU per second of event time, a snapshot a minute); each of the
 ``--gpus`` simulated GPUs replays one of those streams under its own name, all of them in
 event-time order (as one partition delivers them), as fast as the stages go. A GPU replays the
 recording over and over, each time as a producer restart (a new epoch: the core and the policy
@@ -57,15 +57,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvguard.config.settings import Settings
 from kvguard.contracts.units import NS_PER_S
 from kvguard.policy.engine import PolicyEngine
-from kvguard.producers.fleet import Fleet
-from kvguard.producers.profiles import load_profile
-from kvguard.producers.workloads import load_workload
+from kvguard.producers.sim.fleet import Fleet
+from kvguard.producers.sim.profiles import load_profile
+from kvguard.producers.sim.workloads import load_workload
 from kvguard.runtime.bootstrap import engine_config_from
 from kvguard.streams.core import StreamConfig, StreamCore
 from kvguard.wire.schemas import decode_batch, encode_batch
-from kvguard.wire.settings import Settings
 
 # the recording: per second of event time, the recorded GPUs' batches as wire bytes (None: no
 # batch); a module global so that forked workers share it instead of receiving a copy

@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvguard.contracts.events import EventKind  # noqa: E402
-from kvguard.producers.pool import PagedPool, PoolExhausted  # noqa: E402
-from kvguard.producers.profiles import load_profile  # noqa: E402
+from kvguard.producers.sim.profiles import load_profile  # noqa: E402
+from kvguard.producers.sim.seed.pool import PagedPool, PoolExhausted  # noqa: E402
 
 
 def run(n_ops: int, seed: int, profile_name: str | None) -> dict:

@@ -24,10 +24,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvguard.contracts.units import NS_PER_S
-from kvguard.producers.fleet import Fleet
-from kvguard.producers.profiles import load_profile, prompt_cap_tokens
-from kvguard.producers.vllm_engine import VllmEngineConfig
-from kvguard.producers.workloads import load_workload
+from kvguard.producers.sim.fleet import Fleet
+from kvguard.producers.sim.profiles import load_profile, prompt_cap_tokens
+from kvguard.producers.sim.vllm.engine import VllmEngineConfig
+from kvguard.producers.sim.workloads import load_workload
 
 
 def run_case(profile_name: str, workload: str, rate_scale: float, seconds: float, config=None) -> dict:

@@ -1,6 +1,6 @@
 """In-process stream core throughput: allocator events per CPU-second (per core).
 
-Generates a realistic shadow-engine log (``producers.fleet``: N GPUs, a scenario at a rate that
+Generates a realistic shadow-engine log (``producers.sim.fleet``: N GPUs, a scenario at a rate that
 keeps them busy, producer-like flushes every ``--flush-s`` of event time), then runs the log through
 ``AllocatorMirror`` alone, ``StreamCore.process`` per batch, and ``StreamCore.process_many`` over
 chunks of batches (how the Faust agent and the embedded runner feed it). Figures are per CPU
@@ -19,9 +19,9 @@ from kvguard.contracts.units import NS_PER_S
 
 
 def make_log(gpus: int, seconds: float, scenario: str, rate_scale: float, flush_s: float, seed: int):
-    from kvguard.producers.fleet import Fleet
-    from kvguard.producers.profiles import load_profile
-    from kvguard.producers.workloads import load_workload
+    from kvguard.producers.sim.fleet import Fleet
+    from kvguard.producers.sim.profiles import load_profile
+    from kvguard.producers.sim.workloads import load_workload
 
     profile = load_profile()
     workload = load_workload(scenario, rate_scale=rate_scale, window=seconds, seed=seed)

@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from kvguard.producers.scheduler import SchedulerConfig
-from kvguard.producers.vllm_conformance import VllmSide, conformance_requests
-from kvguard.producers.vllm_plugin import PluginConfig, VllmPlugin
-from kvguard.producers.workloads import load_workload
+from kvguard.producers.sim.vllm.conformance import VllmSide, conformance_requests
+from kvguard.producers.sim.vllm.scheduler import SchedulerConfig
+from kvguard.producers.sim.workloads import load_workload
+from kvguard.producers.vllm.plugin import PluginConfig, VllmPlugin
 from kvguard.wire.schemas import encode_batch
 
 CASES = {

@@ -31,8 +31,8 @@ OPERATOR_UTILIZATION = 0.95
 
 
 def run_strategy(job: tuple) -> dict:
-    from kvguard.producers.profiles import EngineKnobs, load_profile
-    from kvguard.producers.vllm_engine import VllmEngineConfig
+    from kvguard.producers.sim.profiles import EngineKnobs, load_profile
+    from kvguard.producers.sim.vllm.engine import VllmEngineConfig
     from kvguard.runtime.bootstrap import bootstrap
     from kvguard.runtime.embedded import demo_workload, run_embedded
 

@@ -5,11 +5,11 @@ long prompts; vLLM's and PyTorch's own figures against what kvguard sees and wha
 
 Compared, per engine step and at the end:
 - KV: kvguard's mirror (fed only by the plugin's rows) against vLLM's used blocks at every step; kvguard's
-  scheduler twin (``producers.scheduler``, driven by the same token ids, all arriving at step 0, on the
+  scheduler twin (``producers.sim.vllm.scheduler``, driven by the same token ids, all arriving at step 0, on the
   engine's real ``num_gpu_blocks``) against vLLM's schedule (steps, preemptions, identical step fraction);
 - memory: each step's transient peak (``max_memory_allocated`` after ``reset_peak_memory_stats`` at the start
   of the step, minus what was allocated then) against the step-memory twin's ``step_plan(...).peak_bytes``
-  for the same token and sequence counts (``producers.step_memory``, eager mode); the mirror's allocator
+  for the same token and sequence counts (``producers.vllm.step_memory``, eager mode); the mirror's allocator
   layer (the plugin's segment rows) against ``memory_stats`` and a ``_snapshot`` at the end.
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU, ``enforce_eager``, synchronous
 scheduling) so the check can read the scheduler and CUDA directly. Writes the snapshot pickle next to
@@ -51,11 +51,11 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     from kvguard.contracts.events import EventKind
-    from kvguard.producers import vllm_plugin
-    from kvguard.producers.scheduler import SchedulerConfig
-    from kvguard.producers.step_memory import ModelShape, RunnerConfig, step_plan
-    from kvguard.producers.vllm_conformance import ConformanceRequest, KvguardSide
-    from kvguard.producers.vllm_plugin_translator import ListSink
+    from kvguard.producers.sim.vllm.conformance import ConformanceRequest, KvguardSide
+    from kvguard.producers.sim.vllm.scheduler import SchedulerConfig
+    from kvguard.producers.vllm import plugin as vllm_plugin
+    from kvguard.producers.vllm.step_memory import ModelShape, RunnerConfig, step_plan
+    from kvguard.producers.vllm.translator import ListSink
     from kvguard.streams.mirror import AllocatorMirror
 
     sink = ListSink()

@@ -122,7 +122,7 @@ if [[ -n "$changed" ]]; then
 fi
 
 # Smoke test: the modules kvguard's conformance test imports, and a ModelConfig built as
-# producers/vllm_conformance.py builds it (vLLM inspects the architecture in a subprocess that imports
+# producers/sim/vllm/conformance.py builds it (vLLM inspects the architecture in a subprocess that imports
 # its Llama module, which needs einops: a missing pin fails here, not in the tests).
 MODEL_DIR="$(cd "$(dirname "$0")/.." && pwd)/producers/data/vllm_model"
 "$PY" - "$MODEL_DIR" <<'EOF'

@@ -1,6 +1,6 @@
 """The caching-allocator layer of a node's mirror, rebuilt from SEG_*/BLK_* rows.
 
-PyTorch's caching allocator (twinned by ``kvguard.producers.caching_allocator``) reserves
+PyTorch's caching allocator (twinned by ``kvguard.producers.sim.torch_allocator.caching_allocator``) reserves
 *segments* from the device and carves *blocks* out of them. The node emits a segment row at every
 cudaMalloc and release, and a block row only for blocks that outlive the engine step that made
 them (``kvguard.contracts.events``): a step's transient activations are freed before it ends, so

@@ -83,7 +83,7 @@ class StreamConfigError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class StreamConfig:
-    """Everything the core needs; ``kvguard.wire.settings`` maps onto it."""
+    """Everything the core needs; ``kvguard.config.settings`` maps onto it."""
 
     tick_s: float = 10.0
     slope_window_s: float = 300.0
@@ -133,7 +133,7 @@ class StreamConfig:
 
     @classmethod
     def from_settings(cls, streams, predictor=None, **overrides) -> "StreamConfig":
-        """Map ``kvguard.wire.settings`` sections (``settings.streams``, ``settings.predictor``) onto the
+        """Map ``kvguard.config.settings`` sections (``settings.streams``, ``settings.predictor``) onto the
         core's config; read by attribute, so the core stays free of pydantic. ``reserved_frac`` is
         taken only when it was set explicitly (file/env): by default each GPU's geometry decides,
         so Ψ stays equal to the pool's own."""

@@ -20,8 +20,8 @@ import uuid
 
 import pytest
 
-from kvguard.runtime.rigs import RedisServer, TansuBroker
-from kvguard.runtime.rigs.tansu import create_topics_sync
+from kvguard.testing.rigs import RedisServer, TansuBroker
+from kvguard.testing.rigs.tansu import create_topics_sync
 
 TEST_TOPIC_PARTITIONS = 3
 
@@ -51,7 +51,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def kafka_bootstrap():
-    from kvguard.wire.settings import Settings
+    from kvguard.config.settings import Settings
 
     given = os.environ.get("KAFKA_BOOTSTRAP")
     if given:
@@ -88,7 +88,7 @@ def topic_prefix() -> str:
 @pytest.fixture
 def kafka_settings(kafka_bootstrap, topic_prefix):
     """Settings for one test: its own topics (created, 3 partitions each) on the session broker."""
-    from kvguard.wire.settings import TOPIC_KINDS, Settings
+    from kvguard.config.settings import TOPIC_KINDS, Settings
 
     settings = Settings(
         kafka={"bootstrap": kafka_bootstrap, "client_id": "kvguard-test", **fast_group_options()},

@@ -31,7 +31,7 @@ from kvguard.bus.base import (
     as_headers,
     as_key,
 )
-from kvguard.wire.settings import KafkaSettings, Settings, TopicSpec
+from kvguard.config.settings import KafkaSettings, Settings, TopicSpec
 
 TOPIC_ALREADY_EXISTS = 36
 

@@ -30,7 +30,7 @@ _JSON = typer.Option(False, "--json", help="Print one JSON object for machines."
 
 def _load_settings() -> Any:
     """kvguard/settings.py's Settings (defaults < $KVGUARD_CONFIG file < KVGUARD_* env)."""
-    from kvguard.wire.settings import ConfigError, Settings
+    from kvguard.config.settings import ConfigError, Settings
 
     try:
         return Settings.load()

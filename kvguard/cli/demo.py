@@ -25,7 +25,7 @@ kvguard: the closed loop and its node side); ``--no-arms`` runs only the last tw
 asking for prompt logprobs (``--prompt-logprobs-frac``, 5 %: eval traffic), whose logits vLLM's
 profiling run does not count (vllm#5907, #5067): at 0.95 the caching allocator then runs out
 during such a request's prefill chunk and the worker dies with its queue. kvguard's node-side
-logprob guard sizes each step so such logits fit the allocator's headroom (``producers.vllm_engine``),
+logprob guard sizes each step so such logits fit the allocator's headroom (``producers.sim.vllm.engine``),
 and its allocator guard caps the per-step token budget on allocator pressure (``policy.engine``,
 point 6); README.md, "Figures", has where that beats the static settings and where it does not.
 
@@ -203,12 +203,12 @@ def demo(
 
     # the runtime loads the whole system: imported when the command runs, so `kvguard --help` stays fast
     from kvguard.cli.simulate import parse_duration
-    from kvguard.producers.profiles import EngineKnobs, load_profile
-    from kvguard.producers.vllm_engine import VllmEngineConfig
+    from kvguard.config.settings import ConfigError, Settings
+    from kvguard.producers.sim.profiles import EngineKnobs, load_profile
+    from kvguard.producers.sim.vllm.engine import VllmEngineConfig
     from kvguard.runtime.bootstrap import bootstrap, make_ledger, make_slo_ledger
     from kvguard.runtime.embedded import compare, demo_workload, ledger_summary, static_arms
     from kvguard.runtime.overbus import run_over_bus
-    from kvguard.wire.settings import ConfigError, Settings
 
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for name in LOUD_LOGGERS:  # outages and retries are the demo's business to show (on stderr)

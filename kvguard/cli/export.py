@@ -80,10 +80,10 @@ def export(
 ) -> None:
     """Serve kvguard's metrics to Prometheus and forward its alerts to Alertmanager (and a webhook)."""
     from kvguard.cli._service import stop_event
+    from kvguard.config.settings import ConfigError, Settings
     from kvguard.ops.export_service import EXPORT_KINDS, PAGING_PATHS, ExportService
     from kvguard.ops.exporter import ExportError
     from kvguard.runtime.bootstrap import BootstrapError, make_bus
-    from kvguard.wire.settings import ConfigError, Settings
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     try:

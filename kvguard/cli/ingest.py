@@ -38,7 +38,7 @@ def vllm_kv_events(
     victims for the policy. For those attach the plugin (pip install 'kvguard[vllm]'); for U_kv alone, `kvguard scrape`.
     """
     from kvguard.cli.simulate import parse_duration
-    from kvguard.producers.vllm_kv_events import KvEventsSubscriber, PrefixCacheState
+    from kvguard.producers.vllm.kv_events import KvEventsSubscriber, PrefixCacheState
 
     try:
         interval_s = parse_duration(interval)
@@ -103,8 +103,8 @@ def torch_snapshot(
     and alloc_allocated_bytes are the snapshot's totals. The log has no KV-cache layer (U_kv, F_ext and F_int
     are 0): a snapshot knows the caching allocator only.
     """
-    from kvguard.producers.torch_snapshot import SnapshotError, load_snapshot
-    from kvguard.producers.torch_snapshot_log import busiest_device, snapshot_to_batches
+    from kvguard.producers.torch_snapshot.snapshot import SnapshotError, load_snapshot
+    from kvguard.producers.torch_snapshot.to_events import busiest_device, snapshot_to_batches
     from kvguard.wire.eventlog import write_event_log
 
     try:

@@ -21,7 +21,10 @@ app.add_typer(inspect_app, name="inspect")
 
 
 def _load(path: Path) -> dict:
-    from kvguard.producers.torch_snapshot import SnapshotError, load_snapshot  # loaded on use, like every command
+    from kvguard.producers.torch_snapshot.snapshot import (  # loaded on use, like every command
+        SnapshotError,
+        load_snapshot,
+    )
 
     try:
         return load_snapshot(path)
@@ -43,7 +46,7 @@ def snapshot(
     Reserved, allocated, largest free block, F_ext, rounding waste, and the blocks that pin
     mostly-free segments (what empty_cache() cannot return).
     """
-    from kvguard.producers.torch_snapshot import fragmentation_report, render_report
+    from kvguard.producers.torch_snapshot.snapshot import fragmentation_report, render_report
 
     report = fragmentation_report(_load(path), pinned_free_frac=pinned_free_frac)
     if json_out:
@@ -64,7 +67,7 @@ def replay(
     Compared: the sizes and order of segment allocations, and every segment's final block
     layout. Exit status 1 when the twin diverges from the real allocator.
     """
-    from kvguard.producers.caching_allocator_replay import ReplayUnsupported, compare_replay, replay_device_trace
+    from kvguard.producers.sim.torch_allocator.replay import ReplayUnsupported, compare_replay, replay_device_trace
 
     snap = _load(path)
     try:

@@ -29,12 +29,12 @@ def metrics(
     the same lines.
     """
     from kvguard.cli.simulate import parse_duration
+    from kvguard.config.settings import ConfigError, Settings
     from kvguard.streams.alerts import alert_record
     from kvguard.streams.core import StreamConfig, StreamConfigError
     from kvguard.streams.embedded import run_event_log
     from kvguard.streams.metrics import tick_record
     from kvguard.wire.eventlog import EventLogError
-    from kvguard.wire.settings import ConfigError, Settings
 
     if not events.exists():
         typer.echo(f"--events {events}: no such file", err=True)

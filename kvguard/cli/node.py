@@ -50,11 +50,11 @@ def node(
     # the runtime loads the whole system: imported when the command runs, so `kvguard --help` stays fast
     from kvguard.cli.export import BrokerUnreachable, broker_unreachable, quiet_kafka_client
     from kvguard.cli.simulate import parse_duration
-    from kvguard.producers.workloads import WorkloadError
+    from kvguard.config.settings import ConfigError, Settings
+    from kvguard.producers.sim.workloads import WorkloadError
     from kvguard.runtime.bootstrap import BootstrapError, bootstrap, make_bus
     from kvguard.runtime.embedded import demo_workload
     from kvguard.runtime.node import run_node
-    from kvguard.wire.settings import ConfigError, Settings
 
     try:
         settings = Settings.load(config)

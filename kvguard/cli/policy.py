@@ -34,8 +34,8 @@ def policy(
     import logging
 
     from kvguard.cli._service import stop_event
+    from kvguard.config.settings import ConfigError, Settings
     from kvguard.runtime.bootstrap import BootstrapError, bootstrap, make_bus, make_ledger, make_slo_ledger
-    from kvguard.wire.settings import ConfigError, Settings
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     try:

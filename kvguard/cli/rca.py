@@ -29,10 +29,10 @@ def rca_command(
     from rich.console import Console
 
     from kvguard.cli.simulate import parse_duration
+    from kvguard.config.settings import Settings
     from kvguard.ops import rca
     from kvguard.runtime.bootstrap import bootstrap
     from kvguard.wire.eventlog import EventLogError, read_event_log
-    from kvguard.wire.settings import Settings
 
     err = Console(stderr=True)
     window_s = parse_duration(window)

@@ -54,9 +54,9 @@ def record(
     from rich.console import Console
 
     from kvguard.cli.simulate import parse_duration
+    from kvguard.config.settings import ConfigError, Settings
     from kvguard.runtime.bootstrap import BootstrapError, make_bus
     from kvguard.runtime.record import record_events
-    from kvguard.wire.settings import ConfigError, Settings
 
     console = Console(stderr=True)
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # a connection failure is reported once, below

@@ -30,11 +30,11 @@ def replay(
     # the runtime loads the whole system: imported when the command runs, so `kvguard --help` stays fast
     from rich.console import Console
 
+    from kvguard.config.settings import ConfigError, Settings
     from kvguard.ops.timeline_report import write_timeline_report
     from kvguard.runtime.bootstrap import bootstrap
     from kvguard.runtime.replay import dry_run, what_if, workload_from_log
     from kvguard.wire.eventlog import EventLogError, read_event_log
-    from kvguard.wire.settings import ConfigError, Settings
 
     console = Console(stderr=True)
     try:

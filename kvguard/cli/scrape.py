@@ -39,8 +39,8 @@ def scrape(
     sample per scrape instead of every engine step.
     """
     from kvguard.cli.simulate import parse_duration
+    from kvguard.config.settings import ConfigError, Settings
     from kvguard.streams.core import StreamConfig, StreamConfigError
-    from kvguard.wire.settings import ConfigError, Settings
 
     try:
         interval_s = parse_duration(interval)
@@ -128,7 +128,7 @@ class Scraper:
 
     def scrape(self, text: str, ts_ns: int) -> list[dict]:
         """One exposition text → a tick record per vLLM engine, then its alert records."""
-        from kvguard.producers.vllm_metrics import parse_exposition, vllm_engines
+        from kvguard.producers.vllm.metrics import parse_exposition, vllm_engines
 
         engines = vllm_engines(parse_exposition(text))
         if not any(e.kv_cache_usage is not None for e in engines.values()):
@@ -145,7 +145,7 @@ class Scraper:
 
         from kvguard.contracts import pressure
         from kvguard.contracts.tick import Tick
-        from kvguard.producers.vllm_metrics import interval
+        from kvguard.producers.vllm.metrics import interval
         from kvguard.streams.alerts import AlertEvaluator, alert_record, default_rules
         from kvguard.streams.metrics import least_squares_slope, tick_record
 

@@ -66,11 +66,10 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
     for prompt logprobs (``echo`` + ``logprobs``, as lm-eval-harness's loglikelihood tasks do);
     ``logprobs_guard``: kvguard's node-side logprob guard on (vLLM profiles)."""
     from kvguard.contracts.units import NS_PER_S
-    from kvguard.producers.fleet import Fleet
-    from kvguard.producers.profiles import ProfileError, load_profile, prompt_cap_tokens
-    from kvguard.producers.workloads import load_workload
-
-    from kvguard.producers.vllm_engine import VllmEngineConfig
+    from kvguard.producers.sim.fleet import Fleet
+    from kvguard.producers.sim.profiles import ProfileError, load_profile, prompt_cap_tokens
+    from kvguard.producers.sim.vllm.engine import VllmEngineConfig
+    from kvguard.producers.sim.workloads import load_workload
 
     profile = load_profile(profile_name, knobs=knobs)
     if prompt_logprobs_frac and profile.engine != "vllm":
@@ -243,10 +242,8 @@ def simulate(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvguard.producers.profiles import ProfileError
-    from kvguard.producers.workloads import WorkloadError
-
-    from kvguard.producers.profiles import EngineKnobs
+    from kvguard.producers.sim.profiles import EngineKnobs, ProfileError
+    from kvguard.producers.sim.workloads import WorkloadError
 
     check_rate_scale(rate_scale)
     if not 0.0 <= prompt_logprobs_frac <= 1.0:

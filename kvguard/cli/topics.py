@@ -17,7 +17,7 @@ app.add_typer(topics_app, name="topics")
 
 
 def _settings(config: Path | None, bootstrap: str | None, prefix: str | None):
-    from kvguard.wire.settings import ConfigError, Settings
+    from kvguard.config.settings import ConfigError, Settings
 
     overrides: dict = {}
     if bootstrap:

@@ -32,7 +32,7 @@ def worker(
     """
     import asyncio
 
-    from kvguard.wire.settings import ConfigError, Settings
+    from kvguard.config.settings import ConfigError, Settings
 
     overrides: dict = {}
     if bootstrap:

@@ -1,6 +1,6 @@
 """Allocator events: the pure, columnar contract between a node's pool and everything downstream.
 
-The pool (``producers.pool``) records events; the stream mirror (``streams.mirror``) rebuilds the
+The pool (``producers.sim.seed.pool``) records events; the stream mirror (``streams.mirror``) rebuilds the
 allocator from them; the event log, the bus and the replay all carry them unchanged. This module
 is pure: numpy and the standard library only (no pydantic, Kafka, Faust or Redis).
 
@@ -60,7 +60,7 @@ Units are the KV pool's unit (``Geometry.unit_tokens`` tokens of KV). Every KV o
 units from the start of the dynamic region D. ``ts_ns`` is event time, passed in by the caller.
 
 The caching-allocator rows (SEG_* and BLK_*, ALLOC_RETRY; PyTorch's CUDACachingAllocator as
-twinned by ``kvguard.producers.caching_allocator``) are in bytes and device addresses. They are
+twinned by ``kvguard.producers.sim.torch_allocator.caching_allocator``) are in bytes and device addresses. They are
 emitted at engine-step granularity: a block allocated and freed within one step (activations,
 workspaces, sampler logits) produces no row, so the rows rebuild the allocator's state exactly
 at every step boundary, while every segment the step's peak needed appears as SEG_ALLOC. An OOM
@@ -74,7 +74,6 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
-
 
 SEG_MAPPED = 1  # SEG_ALLOC / SEG_FREE ``aux``: pages of an expandable segment mapped / unmapped
 

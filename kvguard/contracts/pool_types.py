@@ -1,4 +1,4 @@
-"""Values and errors of the paged pool (``kvguard.producers.pool``), shared with the actuators that execute on it.
+"""Values and errors of the paged pool (``kvguard.producers.sim.seed.pool``), shared with the actuators that execute on it.
 
 Pure: standard library only.
 """

@@ -18,7 +18,7 @@ LEAD_TIME_SIGNALS: tuple[str, ...] = ("threshold", "slope", "fragmentation", "ls
 
 @dataclass(slots=True, frozen=True)
 class AlertThresholds:
-    """The tier defaults; field names as in ``kvguard.wire.settings.StreamsSettings`` (``p_oom`` is
+    """The tier defaults; field names as in ``kvguard.config.settings.StreamsSettings`` (``p_oom`` is
     ``predictor.threshold``). ``kvguard.streams.core.StreamConfig`` carries one of these."""
 
     u_kv_warning: float = 0.88

@@ -33,10 +33,10 @@ import numpy as np
 from kvguard.contracts.events import EventKind
 from kvguard.contracts.units import NS_PER_S
 from kvguard.ml.evaluation import DEFAULT_HORIZON_S, censored_mask, down_mask, labels_for_ticks
-from kvguard.producers.fleet import Fleet
-from kvguard.producers.profiles import EngineKnobs, load_profile, prompt_cap_tokens
-from kvguard.producers.vllm_engine import VllmEngineConfig
-from kvguard.producers.workloads import SCENARIOS, load_workload, resolve_trace_path
+from kvguard.producers.sim.fleet import Fleet
+from kvguard.producers.sim.profiles import EngineKnobs, load_profile, prompt_cap_tokens
+from kvguard.producers.sim.vllm.engine import VllmEngineConfig
+from kvguard.producers.sim.workloads import SCENARIOS, load_workload, resolve_trace_path
 from kvguard.streams.alerts import FIRING
 from kvguard.streams.core import StreamConfig, StreamCore
 from kvguard.streams.loader import with_model_threshold

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvguard.contracts.units import NS_PER_S
-from kvguard.producers.fleet import Fleet
-from kvguard.producers.profiles import EngineKnobs, load_profile
-from kvguard.producers.vllm_engine import VllmEngineConfig
-from kvguard.producers.workloads import load_workload
+from kvguard.producers.sim.fleet import Fleet
+from kvguard.producers.sim.profiles import EngineKnobs, load_profile
+from kvguard.producers.sim.vllm.engine import VllmEngineConfig
+from kvguard.producers.sim.workloads import load_workload
 
 GRID = {
     "gpu_memory_utilization": (0.9, 0.92, 0.95),  # at 0.85 vLLM refuses to start (max_model_len 32768)

@@ -25,6 +25,7 @@ from kvguard.actuators.actuator import Actuator, AppliedJournal
 from kvguard.actuators.executor import Executor
 from kvguard.bus.base import Bus
 from kvguard.bus.inproc import InprocBus
+from kvguard.config.settings import Settings
 from kvguard.contracts.commands import Mode
 from kvguard.policy.budget import BudgetConfig, BudgetLedger, MemoryBudgetLedger
 from kvguard.policy.canary import Canary, CanaryConfig, CanaryConfigError, resolve_candidate
@@ -33,16 +34,14 @@ from kvguard.policy.planner import CostModel, PlannerConfig
 from kvguard.policy.service import PolicyService, SloRecorder
 from kvguard.policy.slo import MemorySloLedger, SloConfig, SloLedger
 from kvguard.policy.strategy import PRESETS, strategy_from_mapping
-from kvguard.producers.fleet import Fleet
-from kvguard.producers.engine import SeedEngineConfig
-from kvguard.producers.profiles import Profile, load_profile
-from kvguard.producers.vllm_engine import VllmEngineConfig
+from kvguard.producers.sim.fleet import Fleet
+from kvguard.producers.sim.profiles import Profile, load_profile
+from kvguard.producers.sim.registry import NodeConfig
 from kvguard.streams.core import StreamConfig, StreamCore
-from kvguard.streams.metrics import FEATURE_NAMES
 from kvguard.streams.loader import load_predictor, with_model_threshold
+from kvguard.streams.metrics import FEATURE_NAMES
 from kvguard.streams.predictor import ModelError, Predictor
 from kvguard.streams.tick_model import TickModelPredictor
-from kvguard.wire.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,7 @@ class Graph:
     predictor: Predictor | None = None
     predictor_note: str = ""
     notes: list[str] = field(default_factory=list)
-    node_config: VllmEngineConfig | SeedEngineConfig | None = None  # the engines' own config; None: defaults
+    node_config: NodeConfig | None = None  # the engines' own config; None: defaults
     canary_config: CanaryConfig | None = None  # None: no canary rollout (the default)
 
     # -- stream side ----------------------------------------------------------------------------

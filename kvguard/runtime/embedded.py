@@ -20,9 +20,9 @@ from kvguard.bus.inproc import InprocBus
 from kvguard.contracts.commands import AckOutcome
 from kvguard.contracts.units import NS_PER_S
 from kvguard.ops.static_sweep import tuned_knobs
-from kvguard.producers.profiles import load_profile, prompt_cap_tokens
-from kvguard.producers.vllm_engine import VllmEngineConfig
-from kvguard.producers.workloads import load_workload
+from kvguard.producers.sim.profiles import load_profile, prompt_cap_tokens
+from kvguard.producers.sim.vllm.engine import VllmEngineConfig
+from kvguard.producers.sim.workloads import load_workload
 from kvguard.runtime.bootstrap import make_ledger, make_slo_ledger
 from kvguard.streams.outputs import output_records
 from kvguard.wire.schemas import make_headers

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvguard.contracts.events import F_PRIORITY_DEFAULTED, EventBatch, EventKind
 from kvguard.contracts.units import NS_PER_S
-from kvguard.producers.workloads import Request, Workload
+from kvguard.producers.sim.workloads import Request, Workload
 from kvguard.runtime.embedded import run_embedded
 
 

@@ -153,7 +153,7 @@ def test_demo_cli_reports_the_three_arms_as_configured(tmp_path):
     shipped, tuned_static the sweep's winner (kvguard/ops/tuned_static.json), baseline and kvguard the
     operator's knobs (gpu_memory_utilization 0.95), all over the same eval-traffic share."""
     from kvguard.ops.static_sweep import tuned_knobs
-    from kvguard.producers.profiles import EngineKnobs, default_profile_name, load_profile
+    from kvguard.producers.sim.profiles import EngineKnobs, default_profile_name, load_profile
 
     out = subprocess.run([sys.executable, "-c", "from kvguard.cli import main; main()", "demo", "--json",
                           "--duration", "3m", "--gpus", "2", "--no-lstm", "--report", str(tmp_path / "report")],

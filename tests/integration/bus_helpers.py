@@ -8,16 +8,15 @@ import time
 from kvguard.contracts.events import EventBatch
 from kvguard.contracts.units import NS_PER_S
 
-
 # the seed engine (an alternative profile since issue 11): these logs exercise its arena OOMs, snapshots
 # and fragmentation; the vLLM engine's own events are tested in tests/unit/test_simulate_vllm.py
 SEED_PROFILE = "llama3-8b-24gb"
 
 def fleet_event_log(n_gpus: int = 3, seconds: int = 60, step_s: int = 5, seed: int = 3) -> list[EventBatch]:
     """Batches from the real shadow-engine fleet, drained every ``step_s`` of simulated time."""
-    from kvguard.producers.fleet import Fleet
-    from kvguard.producers.profiles import load_profile
-    from kvguard.producers.workloads import load_workload
+    from kvguard.producers.sim.fleet import Fleet
+    from kvguard.producers.sim.profiles import load_profile
+    from kvguard.producers.sim.workloads import load_workload
 
     fleet = Fleet(n_gpus, load_profile(SEED_PROFILE), seed=seed)
     fleet.submit_workload(load_workload("mixed", window=seconds, seed=seed))

@@ -23,9 +23,9 @@ SEED_PROFILE = "llama3-8b-24gb"
 def shadow_log(n_gpus: int = 3, seconds: int = 150, step_s: int = 2, seed: int = 5,
                rate_scale: float = 3.0) -> list[EventBatch]:
     """A busy shadow-engine log: batches per node every ``step_s``, snapshots every 30 s."""
-    from kvguard.producers.fleet import Fleet
-    from kvguard.producers.profiles import load_profile
-    from kvguard.producers.workloads import load_workload
+    from kvguard.producers.sim.fleet import Fleet
+    from kvguard.producers.sim.profiles import load_profile
+    from kvguard.producers.sim.workloads import load_workload
 
     fleet = Fleet(n_gpus, load_profile(SEED_PROFILE), seed=seed, snapshot_every_s=30)
     fleet.submit_workload(load_workload("mixed", rate_scale=rate_scale, window=seconds, seed=seed))

@@ -21,7 +21,7 @@ from kvguard.policy.budget import (
     MemoryBudgetLedger,
     week_start_ns,
 )
-from kvguard.runtime.rigs.net import free_port, stop_process, wait_for_port
+from kvguard.testing.rigs.net import free_port, stop_process, wait_for_port
 
 W48 = week_start_ns("2026-W48")  # Monday 2026-11-23 00:00 UTC
 TICK_S = 10.0
@@ -529,9 +529,9 @@ def test_budget_status_agrees_with_the_ticks_of_a_simulated_fleet(redis_url):
 
     from kvguard.cli.app import app
     from kvguard.policy.budget_redis import RedisBudgetLedger
-    from kvguard.producers.fleet import Fleet
-    from kvguard.producers.profiles import load_profile
-    from kvguard.producers.workloads import load_workload
+    from kvguard.producers.sim.fleet import Fleet
+    from kvguard.producers.sim.profiles import load_profile
+    from kvguard.producers.sim.workloads import load_workload
     from kvguard.streams.core import StreamCore
 
     # one GPU under the drill: its 32K-token prompts fragment the pool within minutes

@@ -159,7 +159,7 @@ def test_topics_create_names_the_unreachable_broker():
     from typer.testing import CliRunner
 
     from kvguard.cli import app
-    from kvguard.runtime.rigs import free_port
+    from kvguard.testing.rigs import free_port
 
     bootstrap = f"127.0.0.1:{free_port()}"
     result = CliRunner().invoke(app, ["topics", "create", "--bootstrap", bootstrap])

@@ -169,11 +169,11 @@ def test_two_variants_on_an_embedded_fleet_attribute_commands_to_each(private_re
     candidate node in DEFAULT mode carries the candidate's variant."""
     from kvguard.bus.inproc import InprocBus
     from kvguard.cli.app import app
+    from kvguard.config.settings import Settings
     from kvguard.contracts.commands import Command
     from kvguard.policy.slo_redis import RedisSloLedger
     from kvguard.runtime.bootstrap import bootstrap
     from kvguard.runtime.embedded import demo_workload, run_embedded
-    from kvguard.wire.settings import Settings
 
     host = next(h for h in (f"canary-{i}" for i in range(1000))
                 if sorted(node_bucket(f"{h}/gpu{g}") < 50 for g in range(4)) == [False, False, True, True])

@@ -5,11 +5,11 @@ import json
 import uuid
 
 from kvguard.bus.inproc import InprocBus
+from kvguard.config.settings import Settings
 from kvguard.streams.embedded import StreamsService, run_event_log
 from kvguard.streams.outputs import encode_alert, encode_tick
 from kvguard.wire.eventlog import write_event_log
 from kvguard.wire.schemas import batch_headers, encode_batch
-from kvguard.wire.settings import Settings
 from tests.integration.streams_helpers import OutputReader, WorkerProcess, publish_batches, shadow_log, tick_map
 
 

@@ -136,12 +136,12 @@ async def test_the_policy_killed_between_publishing_and_committing_reissues_the_
 
 
 def test_redis_down_when_the_policy_starts(redis_server):
+    from kvguard.config.settings import Settings
     from kvguard.policy.budget import BudgetConfig
     from kvguard.policy.budget_redis import RedisBudgetLedger
     from kvguard.policy.engine import EngineConfig, PolicyEngine
     from kvguard.policy.service import PolicyService
     from kvguard.wire.schemas import decode
-    from kvguard.wire.settings import Settings
 
     server = redis_server()
     server.stop()  # down before the policy comes up

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 import kvguard.cli
 import kvguard.cli.ingest  # noqa: F401 - until kvguard/cli/__init__.py imports it
 from kvguard.cli.app import app
-from kvguard.producers.torch_snapshot import load_snapshot
-from kvguard.producers.torch_snapshot_log import snapshot_to_batches
+from kvguard.producers.torch_snapshot.snapshot import load_snapshot
+from kvguard.producers.torch_snapshot.to_events import snapshot_to_batches
 from kvguard.wire.eventlog import write_event_log
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "torch_snapshots"

@@ -15,12 +15,12 @@ from typer.testing import CliRunner
 
 from kvguard.bus.inproc import InprocBus
 from kvguard.cli.app import app
+from kvguard.config.settings import Settings
 from kvguard.contracts.commands import AckOutcome, Action
 from kvguard.runtime.operator import NodeClock, OperatorError, node_clock, operator_command, send_and_wait
-from kvguard.runtime.vllm_actuator import start_for
+from kvguard.runtime.plugins import start_for
 from kvguard.streams.core import StreamConfig, StreamCore
 from kvguard.streams.outputs import output_records
-from kvguard.wire.settings import Settings
 from tests.conftest import fast_group_options
 from tests.integration.test_vllm_plugin import Rig
 

@@ -6,9 +6,9 @@ import asyncio
 import time
 
 from kvguard.bus.kafka import KafkaBus
+from kvguard.config.settings import Settings
 from kvguard.producers.publisher import NodePublisher
 from kvguard.wire.schemas import decode_batch
-from kvguard.wire.settings import Settings
 from tests.conftest import fast_group_options
 from tests.integration.bus_helpers import consume, fleet_event_log
 

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 import kvguard.cli
 import kvguard.cli.scrape  # noqa: F401 - until kvguard/cli/__init__.py imports it
 from kvguard.cli.app import app
-from kvguard.producers.vllm_metrics import PREEMPTIONS, TTFT, USAGE, parse_exposition, vllm_engines
+from kvguard.producers.vllm.metrics import PREEMPTIONS, TTFT, USAGE, parse_exposition, vllm_engines
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
@@ -30,8 +30,8 @@ class VllmMetrics:
     def __init__(self):
         from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-        from kvguard.producers.scheduler import SchedulerConfig
-        from kvguard.producers.vllm_conformance import VllmSide
+        from kvguard.producers.sim.vllm.conformance import VllmSide
+        from kvguard.producers.sim.vllm.scheduler import SchedulerConfig
 
         side = VllmSide(SchedulerConfig(num_gpu_blocks=200, max_model_len=3000, block_size=16, max_num_seqs=8,
                                         max_num_batched_tokens=512))

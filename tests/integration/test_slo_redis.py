@@ -11,7 +11,7 @@ import pytest
 from kvguard.contracts.units import NS_PER_S
 from kvguard.policy.budget import week_start_ns
 from kvguard.policy.slo import MemorySloLedger, SloConfig
-from kvguard.runtime.rigs.net import free_port
+from kvguard.testing.rigs.net import free_port
 from tests.integration.test_budget_redis import PersistentRedis
 
 W48 = week_start_ns("2026-W48")

@@ -1,5 +1,5 @@
 """kvguard's scheduler and block pool against vLLM 0.33.0's own ``Scheduler``, step by step
-(producers.vllm_conformance), on real traces and a scenario, under enough KV pressure to preempt,
+(producers.sim.vllm.conformance), on real traces and a scenario, under enough KV pressure to preempt,
 with prefix hits (a preempted request's own blocks, and prefixes shared across requests) and with
 prompts rejected at arrival.
 
@@ -19,10 +19,10 @@ import sys
 
 import pytest
 
-from kvguard.producers import vllm_conformance
-from kvguard.producers.kv_blocks import BlockPool
-from kvguard.producers.vllm_conformance import VllmMissing, run_conformance
-from kvguard.producers.workloads import load_workload
+from kvguard.producers.sim.vllm import conformance as vllm_conformance
+from kvguard.producers.sim.vllm.conformance import VllmMissing, run_conformance
+from kvguard.producers.sim.vllm.kv_blocks import BlockPool
+from kvguard.producers.sim.workloads import load_workload
 
 # vllm's import chain (torch.jit) warns on import; not ours to fix
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")

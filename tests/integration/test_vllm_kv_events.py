@@ -1,5 +1,5 @@
 """vLLM's own KV-event publisher (``vllm.distributed.kv_events.ZmqEventPublisher``, 0.33) on loopback
-ZMQ sockets → kvguard's subscriber (``producers.vllm_kv_events``) and ``kvguard ingest vllm-kv-events``.
+ZMQ sockets → kvguard's subscriber (``producers.vllm.kv_events``) and ``kvguard ingest vllm-kv-events``.
 
 The frames are vLLM's real ones (its publisher thread, its msgpack encoder, its ROUTER replay). A gap
 is made the way it happens in production: the subscriber's socket goes away while the publisher
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from kvguard.producers.vllm_kv_events import KvBatch, KvEvent, KvEventsSubscriber, PrefixCacheState, decode_payload
+from kvguard.producers.vllm.kv_events import KvBatch, KvEvent, KvEventsSubscriber, PrefixCacheState, decode_payload
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 

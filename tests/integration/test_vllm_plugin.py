@@ -1,5 +1,5 @@
 """The vLLM plugin on vLLM 0.33's real v1 ``Scheduler``/``KVCacheManager``/``BlockPool`` (the conformance
-rig of ``producers.vllm_conformance``: CPU, a weightless config, a fake model step).
+rig of ``producers.sim.vllm.conformance``: CPU, a weightless config, a fake model step).
 
 - kvguard's ``AllocatorMirror``, fed only by the plugin's batches, equals vLLM at every step: its
   live units are vLLM's used blocks (so ``u_kv`` is ``kv_cache_manager.usage``, to the rounding of
@@ -25,24 +25,23 @@ import numpy as np
 import pytest
 
 from kvguard.contracts.events import EventKind, Outcome
-from kvguard.producers.scheduler import SchedulerConfig
-from kvguard.producers.vllm_conformance import (
+from kvguard.producers.sim.vllm.conformance import (
     ConformanceRequest,
     VllmSide,
     conformance_requests,
     output_token_id,
     synth_prompt_token_ids,
 )
-from kvguard.producers.vllm_plugin import (
+from kvguard.producers.sim.vllm.scheduler import SchedulerConfig
+from kvguard.producers.sim.workloads import load_workload
+from kvguard.producers.vllm.plugin import (
     ENTRY_POINT_GROUP,
     PluginConfig,
     UnsupportedVllmVersion,
     VllmPlugin,
     check_vllm_version,
-    node_id_from_env,
 )
-from kvguard.producers.vllm_plugin_translator import ListSink
-from kvguard.producers.workloads import load_workload
+from kvguard.producers.vllm.translator import ListSink
 from kvguard.streams.mirror import STATE_CACHED, STATE_LIVE, AllocatorMirror
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
@@ -333,14 +332,14 @@ def test_vllms_plugin_loader_finds_the_entry_point_and_it_attaches_kvguard(tmp_p
     from vllm.plugins import load_plugins_by_group
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvguard.producers import vllm_plugin
+    from kvguard.producers.vllm import plugin as vllm_plugin
 
     declared = [ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == "kvguard"]
-    assert [ep.value for ep in declared] == ["kvguard.producers.vllm_plugin:register"]
+    assert [ep.value for ep in declared] == ["kvguard.producers.vllm.plugin:register"]
     assert declared[0].dist is not None and declared[0].dist.name == "kvguard"
     plugins = load_plugins_by_group(ENTRY_POINT_GROUP)
     assert plugins.get("kvguard") is vllm_plugin.register
-    from kvguard.runtime import vllm_actuator  # the command side, the second entry point
+    from kvguard.runtime import plugins as vllm_actuator  # the command side, the second entry point
 
     assert plugins.get("kvguard-actuator") is vllm_actuator.register
 
@@ -377,6 +376,8 @@ def test_the_version_check_names_the_unsupported_version():
 
 
 def test_the_node_id_comes_from_the_environment():
+    from kvguard.producers.sinks import node_id_from_env
+
     assert node_id_from_env({"KVGUARD_NODE_ID": "n1/p1"}) == "n1/p1"
     assert node_id_from_env({"NODE_NAME": "gpu-node-3", "CUDA_VISIBLE_DEVICES": "5,6"}) == "gpu-node-3/gpu5"
     assert node_id_from_env({"KVGUARD_HOST": "h"}, device_index=2) == "h/gpu2"

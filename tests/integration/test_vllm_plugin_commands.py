@@ -1,5 +1,5 @@
 """The plugin's command path end to end on vLLM's real scheduler: a signed command on the commands topic →
-``kvguard.runtime.vllm_actuator`` (kvguard's own Actuator and Executor, on the consumer's thread) → the
+``kvguard.runtime.plugins`` (kvguard's own Actuator and Executor, on the consumer's thread) → the
 engine thread applies it before its next ``schedule()`` → an ack on the acks topic. The bus is the
 in-process one, the engine the conformance rig stepped by this test's thread. Needs vllm."""
 
@@ -11,10 +11,10 @@ import time
 import pytest
 
 from kvguard.bus.inproc import InprocBus
+from kvguard.config.settings import Settings
 from kvguard.contracts.commands import Ack, AckOutcome, Action, Command, Mode, Target, sign
 from kvguard.contracts.dimensions import Granularity, HandlingChoice
-from kvguard.runtime.vllm_actuator import start_for
-from kvguard.wire.settings import Settings
+from kvguard.runtime.plugins import start_for
 from tests.integration.test_vllm_plugin import Rig
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")

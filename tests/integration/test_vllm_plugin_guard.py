@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.producers.vllm_conformance import synth_prompt_token_ids
-from kvguard.producers.vllm_plugin import PluginConfig, prompt_logprobs_bytes
+from kvguard.producers.sim.vllm.conformance import synth_prompt_token_ids
+from kvguard.producers.vllm.plugin import PluginConfig, prompt_logprobs_bytes
 from tests.integration.test_vllm_plugin import BLOCK, Rig
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")

@@ -4,9 +4,9 @@ sending, once they have been silent for ``streams.idle_flush_s`` of wall time (i
 import json
 import uuid
 
+from kvguard.config.settings import Settings
 from kvguard.streams.core import StreamConfig, StreamCore
 from kvguard.streams.outputs import encode_tick
-from kvguard.wire.settings import Settings
 from tests.integration.streams_helpers import OutputReader, WorkerProcess, publish_batches, shadow_log, tick_map
 
 

@@ -8,10 +8,10 @@ import pytest
 from kvguard.actuators.actuator import Actuator, AppliedJournal, run_actuators
 from kvguard.actuators.executor import Executor
 from kvguard.bus.inproc import InprocBus
+from kvguard.config.settings import Settings
 from kvguard.contracts.commands import Ack, AckOutcome, Action, Command, Mode, Target, command_id, sign
 from kvguard.contracts.units import NS_PER_S
 from kvguard.policy.strategy import Granularity, HandlingChoice
-from kvguard.wire.settings import Settings
 from tests.unit.test_executor import running_engine
 
 SECRET = b"shared-secret"

@@ -8,10 +8,10 @@ import numpy as np
 
 from kvguard.contracts.events import F_PROMPT_LOGPROBS, EventKind
 from kvguard.contracts.units import NS_PER_S
-from kvguard.producers.fleet import Fleet
-from kvguard.producers.profiles import load_profile
-from kvguard.producers.vllm_engine import VllmEngineConfig
-from kvguard.producers.workloads import Request
+from kvguard.producers.sim.fleet import Fleet
+from kvguard.producers.sim.profiles import load_profile
+from kvguard.producers.sim.vllm.engine import VllmEngineConfig
+from kvguard.producers.sim.workloads import Request
 from kvguard.streams.core import StreamConfig, StreamCore
 from kvguard.streams.metrics import FEATURE_NAMES, tick_features
 from kvguard.streams.mirror import AllocatorMirror

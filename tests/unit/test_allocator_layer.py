@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvguard.contracts.events import EventKind, empty_events
-from kvguard.producers.allocator_events import StepRecorder
-from kvguard.producers.caching_allocator import CachingAllocator, OutOfMemoryError
+from kvguard.producers.sim.torch_allocator.caching_allocator import CachingAllocator, OutOfMemoryError
+from kvguard.producers.torch_cuda import StepRecorder
 from kvguard.streams.allocator_layer import AllocatorLayer, AllocatorLayerError
 from kvguard.streams.mirror import AllocatorMirror
 from tests.unit.streams_refpool import small_geometry

@@ -12,10 +12,10 @@ from kvguard.contracts.commands import Action, Command, Mode
 from kvguard.contracts.events import EVENT_DTYPE, SEG_MAPPED, EventKind
 from kvguard.contracts.units import NS_PER_S
 from kvguard.policy.strategy import Granularity, HandlingChoice
-from kvguard.producers.fleet import Fleet
-from kvguard.producers.profiles import EngineKnobs, load_profile
-from kvguard.producers.vllm_engine import VllmEngineConfig
-from kvguard.producers.workloads import load_workload
+from kvguard.producers.sim.fleet import Fleet
+from kvguard.producers.sim.profiles import EngineKnobs, load_profile
+from kvguard.producers.sim.vllm.engine import VllmEngineConfig
+from kvguard.producers.sim.workloads import load_workload
 from kvguard.streams.allocator_layer import AllocatorLayer, AllocatorLayerError
 from kvguard.streams.core import StreamConfig, StreamCore
 

@@ -11,9 +11,9 @@ from kvguard.contracts.units import NS_PER_S
 from kvguard.policy.engine import EngineConfig, PolicyEngine
 from kvguard.policy.planner import NodeView
 from kvguard.policy.strategy import Granularity, HandlingChoice
-from kvguard.producers.profiles import load_profile
-from kvguard.producers.vllm_engine import VllmEngine
-from kvguard.producers.workloads import Request
+from kvguard.producers.sim.profiles import load_profile
+from kvguard.producers.sim.vllm.engine import VllmEngine
+from kvguard.producers.sim.workloads import Request
 from kvguard.runtime.bootstrap import bootstrap
 
 VLLM = "llama3-8b-24gb-vllm"

@@ -102,7 +102,7 @@ def test_config_errors_name_the_field(field, value):
 
 
 def test_config_from_kvguard_settings():
-    from kvguard.wire.settings import Settings
+    from kvguard.config.settings import Settings
 
     settings = Settings(budget={"minutes_per_week": 30, "f_ext_threshold": 0.6,
                                 "retention_weeks": 3, "key_prefix": "prod:budget"})

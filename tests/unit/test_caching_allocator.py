@@ -1,4 +1,4 @@
-"""Behaviours of the CUDA caching-allocator twin (producers/caching_allocator.py), one rule per test."""
+"""Behaviours of the CUDA caching-allocator twin (producers/sim/torch_allocator/caching_allocator.py), one rule per test."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvguard.producers.caching_allocator import (
+from kvguard.producers.sim.torch_allocator.caching_allocator import (
     AllocatorConfig,
     CachingAllocator,
     DeviceMemory,
@@ -20,8 +20,8 @@ from kvguard.producers.caching_allocator import (
     format_size,
     get_allocation_size,
 )
-from kvguard.producers.caching_allocator_config import ConfigError, roundup_power2_next_division
-from kvguard.producers.caching_allocator_device import ExternalReservationFailed
+from kvguard.producers.sim.torch_allocator.config import ConfigError, roundup_power2_next_division
+from kvguard.producers.sim.torch_allocator.device import ExternalReservationFailed
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -461,7 +461,7 @@ def test_memory_viz_segments_and_trace_read_the_twins_snapshot(viz_run):
 
 def test_the_twin_imports_only_the_standard_library():
     code = ("import sys\n"
-            "import kvguard.producers.caching_allocator as m\n"
+            "import kvguard.producers.sim.torch_allocator.caching_allocator as m\n"
             "m.replay_device_trace\n"
             "print(','.join(sorted(n for n in ('torch', 'numpy', 'pydantic', 'faust', 'redis') if n in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

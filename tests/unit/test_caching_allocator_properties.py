@@ -10,8 +10,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvguard.producers.caching_allocator import AllocatorConfig, CachingAllocator, OutOfMemoryError
-from kvguard.producers.caching_allocator_replay import compare_replay, replay_device_trace
+from kvguard.producers.sim.torch_allocator.caching_allocator import AllocatorConfig, CachingAllocator, OutOfMemoryError
+from kvguard.producers.sim.torch_allocator.replay import compare_replay, replay_device_trace
 
 MiB = 1 << 20
 CAPACITY = 128 * MiB

@@ -1,4 +1,4 @@
-"""Replaying recorded traces through the caching-allocator twin (producers/caching_allocator_replay.py).
+"""Replaying recorded traces through the caching-allocator twin (producers/sim/torch_allocator/replay.py).
 
 The real files are ``torch.cuda.memory._dump_snapshot()`` pickles recorded on GPUs by others (see
 tests/data/torch_snapshots/README.md). A replay matches when the twin made the same segment_alloc calls
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvguard.producers.caching_allocator import AllocatorConfig, CachingAllocator, OutOfMemoryError
-from kvguard.producers.caching_allocator_replay import (
+from kvguard.producers.sim.torch_allocator.caching_allocator import AllocatorConfig, CachingAllocator, OutOfMemoryError
+from kvguard.producers.sim.torch_allocator.replay import (
     ReplayUnsupported,
     compare_replay,
     config_from_snapshot,

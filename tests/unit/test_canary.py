@@ -8,8 +8,10 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
+from kvguard.config.settings import ConfigError, Settings
 from kvguard.contracts.commands import Action, Mode
 from kvguard.contracts.units import NS_PER_S
 from kvguard.policy.canary import (
@@ -32,7 +34,6 @@ from kvguard.policy.engine import EngineConfig, PolicyEngine
 from kvguard.policy.slo import MemorySloLedger
 from kvguard.policy.strategy import DEFAULT, EMERGENCY, all_strategies
 from kvguard.wire.schemas import MetricTick
-from kvguard.wire.settings import ConfigError, Settings
 
 S = NS_PER_S
 CANDIDATE_VARIANT = "request/priority/sync/recompute/hard"

@@ -8,9 +8,9 @@ from typer.testing import CliRunner
 
 from kvguard.actuators.actuator import Actuator
 from kvguard.actuators.executor import Executor
+from kvguard.config.settings import Settings
 from kvguard.contracts.commands import AckOutcome, Command, sign, verify
 from kvguard.contracts.units import NS_PER_S
-from kvguard.wire.settings import Settings
 from tests.unit.test_actuator import NODE, SECRET, evict_command
 from tests.unit.test_executor import running_engine
 

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from kvguard.config.settings import Settings
 from kvguard.contracts.units import NS_PER_S
 from kvguard.ops.export_service import EXPORT_KINDS, ExportService
 from kvguard.ops.exporter import RUNBOOKS
@@ -22,7 +23,6 @@ from kvguard.policy.budget import ALERT_RULE as BUDGET_ALERT
 from kvguard.streams.alerts import default_rules
 from kvguard.streams.app import DEFAULT_APP_ID, changelog_topic_name, leader_topic_name
 from kvguard.wire.schemas import Ack, Alert, Command, DlqRecord, MetricTick
-from kvguard.wire.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -3,10 +3,11 @@ import pytest
 
 from kvguard.contracts.events import F_PRIORITY_DEFAULTED, EventBatch, EventKind, Handling, Outcome
 from kvguard.contracts.units import NS_PER_S
-from kvguard.producers.engine import Engine, SeedEngineConfig, SeqState
-from kvguard.producers.pool import PagedPool
-from kvguard.producers.profiles import profile_from_dict
-from kvguard.producers.workloads import Request, load_workload
+from kvguard.producers.sim.profiles import profile_from_dict
+from kvguard.producers.sim.run import SeqState
+from kvguard.producers.sim.seed.engine import Engine, SeedEngineConfig
+from kvguard.producers.sim.seed.pool import PagedPool
+from kvguard.producers.sim.workloads import Request, load_workload
 from kvguard.wire.eventlog import write_event_log
 
 SUMMARY_FIELDS = ["requests", "completed", "failed", "rejected", "unfinished", "ooms", "preemptions", "ttft_p50_s", "ttft_p99_s",
@@ -274,7 +275,7 @@ def test_prompt_that_can_never_fit_is_rejected_not_crashed():
 
 
 def test_shipped_profiles_match_their_documented_sources():
-    from kvguard.producers.profiles import default_profile_name, load_profile, profile_names
+    from kvguard.producers.sim.profiles import default_profile_name, load_profile, profile_names
 
     assert default_profile_name() == "llama3-8b-24gb-vllm"  # the vLLM-faithful engine (issue 11)
     assert load_profile().engine == "vllm" and load_profile().unit_tokens == 16
@@ -290,7 +291,7 @@ def test_shipped_profiles_match_their_documented_sources():
 
 
 def test_bad_profiles_name_the_field():
-    from kvguard.producers.profiles import ProfileError, load_profile
+    from kvguard.producers.sim.profiles import ProfileError, load_profile
 
     with pytest.raises(ProfileError, match="page_class_tokens"):
         tiny_profile(page_class_tokens=(4, 24))
@@ -299,9 +300,9 @@ def test_bad_profiles_name_the_field():
 
 
 def test_admission_headroom_adds_to_the_watermark_and_releases_exactly():
-    from kvguard.producers.engine import Engine
-    from kvguard.producers.pool import PagedPool
-    from kvguard.producers.profiles import load_profile
+    from kvguard.producers.sim.profiles import load_profile
+    from kvguard.producers.sim.seed.engine import Engine
+    from kvguard.producers.sim.seed.pool import PagedPool
 
     profile = load_profile()
     engine = Engine(PagedPool(profile.geometry, node="n0", swap_capacity_units=0), profile, node="n0", seed=0)

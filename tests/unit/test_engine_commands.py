@@ -10,10 +10,10 @@ from kvguard.contracts.commands import AckOutcome, Action, Command, Mode, Target
 from kvguard.contracts.events import EventKind, Outcome
 from kvguard.contracts.units import NS_PER_S
 from kvguard.policy.strategy import Granularity, HandlingChoice
-from kvguard.producers.fleet import Fleet
-from kvguard.producers.profiles import load_profile
-from kvguard.producers.vllm_engine import VllmEngine
-from kvguard.producers.workloads import Request, load_workload
+from kvguard.producers.sim.fleet import Fleet
+from kvguard.producers.sim.profiles import load_profile
+from kvguard.producers.sim.vllm.engine import VllmEngine
+from kvguard.producers.sim.workloads import Request, load_workload
 from kvguard.streams.core import StreamConfig, StreamCore
 
 VLLM = "llama3-8b-24gb-vllm"

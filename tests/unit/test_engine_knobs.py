@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvguard.contracts.units import NS_PER_S
-from kvguard.producers.engine import SloTargets, slo_fields
-from kvguard.producers.profiles import EngineKnobs, ProfileError, load_profile
+from kvguard.producers.sim.profiles import EngineKnobs, ProfileError, load_profile
+from kvguard.producers.sim.run import SloTargets, slo_fields
 
 VLLM = "llama3-8b-24gb-vllm"
 
@@ -74,9 +74,9 @@ def test_an_allocator_oom_restart_keeps_the_stream_mirror_of_the_allocator_exact
     """The dead worker's allocator rows (its blocks and segments released) come before the RESET row:
     a mirror resets on RESET, so rows after it would free blocks it no longer holds (the batch was
     rejected and the node marked unsynced)."""
-    from kvguard.producers.fleet import Fleet
-    from kvguard.producers.vllm_engine import VllmEngineConfig
-    from kvguard.producers.workloads import load_workload
+    from kvguard.producers.sim.fleet import Fleet
+    from kvguard.producers.sim.vllm.engine import VllmEngineConfig
+    from kvguard.producers.sim.workloads import load_workload
     from kvguard.streams.core import StreamCore
 
     fleet = Fleet(1, load_profile(VLLM, knobs=EngineKnobs(gpu_memory_utilization=0.95)),

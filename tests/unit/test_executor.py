@@ -8,10 +8,11 @@ from kvguard.contracts.events import EventKind, Handling
 from kvguard.contracts.pool_types import PageState
 from kvguard.contracts.units import NS_PER_S
 from kvguard.policy.strategy import Granularity, HandlingChoice
-from kvguard.producers.engine import Engine, SeqState
-from kvguard.producers.pool import PagedPool
-from kvguard.producers.profiles import profile_from_dict
-from kvguard.producers.workloads import HASH_BLOCK_TOKENS, Request
+from kvguard.producers.sim.profiles import profile_from_dict
+from kvguard.producers.sim.run import SeqState
+from kvguard.producers.sim.seed.engine import Engine
+from kvguard.producers.sim.seed.pool import PagedPool
+from kvguard.producers.sim.workloads import HASH_BLOCK_TOKENS, Request
 
 
 def tiny_profile(dynamic_units=2000, swap_units=4000):

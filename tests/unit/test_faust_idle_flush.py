@@ -5,11 +5,11 @@ No broker: the worker's logic with small working fakes and a hand-driven clock."
 import orjson
 import pytest
 
+from kvguard.config.settings import ConfigError, Settings
 from kvguard.streams.app import StreamsWorker, idle_flush_s
 from kvguard.streams.core import NodeState, StreamConfig, StreamCore
 from kvguard.streams.outputs import encode_tick
 from kvguard.wire.schemas import batch_headers, encode_batch
-from kvguard.wire.settings import ConfigError, Settings
 from tests.unit.test_hostile_services import FakeTable, FakeTopic  # the worker's small working fakes
 from tests.unit.test_stream_hostile import two_node_stream
 

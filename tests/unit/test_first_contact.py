@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvguard.cli import app
-from kvguard.producers.workloads import SCENARIOS, TRACE_ALIASES, WorkloadError, load_workload
+from kvguard.producers.sim.workloads import SCENARIOS, TRACE_ALIASES, WorkloadError, load_workload
 
 CLI = [sys.executable, "-c", "from kvguard.cli import main; main()"]
 SECRET = secrets.token_hex(32)  # what a node needs to start its actuator

@@ -3,9 +3,9 @@ import pytest
 
 from kvguard.contracts.events import EventKind, Outcome
 from kvguard.contracts.units import NS_PER_S
-from kvguard.producers.engine import SeedEngineConfig
-from kvguard.producers.fleet import Fleet
-from kvguard.producers.workloads import Request, load_workload
+from kvguard.producers.sim.fleet import Fleet
+from kvguard.producers.sim.seed.engine import SeedEngineConfig
+from kvguard.producers.sim.workloads import Request, load_workload
 from tests.unit.test_engine import tiny_profile
 
 

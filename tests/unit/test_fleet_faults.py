@@ -90,7 +90,7 @@ def test_one_batch_behind_the_clock_does_not_rebase_it():
 
 
 def test_the_skew_is_configured_and_checked():
-    from kvguard.wire.settings import Settings
+    from kvguard.config.settings import Settings
 
     s = Settings.load(env={"KVGUARD_STREAMS__MAX_TS_SKEW_S": "120"})
     assert StreamConfig.from_settings(s.streams, s.predictor).max_ts_skew_ns == 120 * NS_PER_S

@@ -150,9 +150,9 @@ def tick_envelopes(draw):
 @example(records=[{"schema": "1.0", "node": "n", "ts_ns": 10**10, "u_kv": 1e308, "f_ext": 0.1, "f_int": 0.0,
                    "psi": 0.6, "tick_s": 10.0}])  # the planner's OverflowError of issue 15
 def test_ticks_with_extreme_numbers_are_refused_or_decided(records):
+    from kvguard.config.settings import Settings
     from kvguard.policy.engine import EngineConfig, PolicyEngine
     from kvguard.policy.service import PolicyService
-    from kvguard.wire.settings import Settings
 
     service = PolicyService(PolicyEngine(EngineConfig(dynamic_units=1000, unit_tokens=4), b"k" * 32), Settings())
     for record in records:
@@ -210,8 +210,8 @@ def test_commands_with_random_contents_are_refused_or_acked(records, signed):
 @given(records=st.lists(st.one_of(event_envelopes().map(dumps), st.binary(max_size=60)), min_size=1, max_size=6))
 def test_the_stream_service_accounts_for_every_record(records):
     from kvguard.bus.inproc import InprocBus
+    from kvguard.config.settings import Settings
     from kvguard.streams.embedded import StreamsService
-    from kvguard.wire.settings import Settings
 
     async def run():
         settings = Settings()

@@ -9,11 +9,11 @@ import orjson
 import pytest
 
 from kvguard.bus.inproc import InprocBus
+from kvguard.config.settings import Settings
 from kvguard.contracts.events import EventBatch
 from kvguard.contracts.events import EventKind as K
 from kvguard.contracts.units import NS_PER_S
 from kvguard.wire.schemas import DecodeError, DlqRecord, batch_headers, decode, decode_batch, encode_batch
-from kvguard.wire.settings import Settings
 from tests.unit.test_stream_hostile import two_node_stream
 
 S = NS_PER_S

@@ -106,7 +106,7 @@ async def test_closed_subscription_stops_iteration_and_getmany_raises():
 
 
 async def test_topics_from_settings_and_no_auto_create():
-    from kvguard.wire.settings import Settings
+    from kvguard.config.settings import Settings
 
     bus = InprocBus.from_settings(Settings.load(env={}))
     assert bus.partitions_for("kvguard.events") == 12

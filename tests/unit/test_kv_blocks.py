@@ -1,4 +1,4 @@
-"""The vLLM-v1 block pool and KV cache manager (producers.kv_blocks): prefix hits, lazy eviction order,
+"""The vLLM-v1 block pool and KV cache manager (producers.sim.vllm.kv_blocks): prefix hits, lazy eviction order,
 ref counts, the full-sequence gate, the watermark, and a property test of the pool's invariants.
 
 Profiles: ``ci`` (default) and ``thorough``; pick with KVGUARD_HYPOTHESIS_PROFILE.
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvguard.producers.kv_blocks import (
+from kvguard.producers.sim.vllm.kv_blocks import (
     NO_HIT,
     ROOT_HASH,
     BlockPool,

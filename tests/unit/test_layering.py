@@ -24,10 +24,11 @@ SOURCE_DIRS = {
     "kvguard.actuators": ROOT / "actuators",
 }
 
-BASE = ("kvguard.contracts", "kvguard.wire", "kvguard.bus")
+BASE = ("kvguard.contracts", "kvguard.config", "kvguard.wire", "kvguard.bus")
 CORE_WINGS = ("kvguard.producers", "kvguard.streams", "kvguard.policy", "kvguard.actuators")
 TOOL_WINGS = ("kvguard.ml", "kvguard.ops")
 RUNTIME = "kvguard.runtime"
+TESTING = "kvguard.testing"  # broker and Redis rigs for tests and benchmarks: base only, imported by no wing
 CLI = "kvguard.cli"
 ENTRY_POINTS = ("kvguard", "kvguard.__main__")  # the package root may name the CLI for `python -m kvguard`
 OLD_TOP_LEVEL = ("producers", "streams", "policy", "actuators", "tests.rigs")
@@ -35,7 +36,8 @@ OLD_TOP_LEVEL = ("producers", "streams", "policy", "actuators", "tests.rigs")
 # What a tool wing (offline ML, operator tools) may use of another wing: its public modules.
 # Everything else in a wing is internal to it.
 PUBLIC = {
-    "kvguard.producers": {"engine", "fleet", "profiles", "workloads", "publisher", "vllm_engine"},
+    "kvguard.producers": {"sim.fleet", "sim.profiles", "sim.workloads", "sim.run", "sim.registry", "sim.vllm.engine",
+                          "vllm.step_memory", "publisher"},
     "kvguard.streams": {"alerts", "core", "embedded", "loader", "lstm", "metrics", "mirror", "outputs", "predictor",
                         "tick_model"},
     "kvguard.policy": {"engine", "service", "strategy", "budget", "slo"},
@@ -43,6 +45,15 @@ PUBLIC = {
     "kvguard.ml": {"dataset", "evaluation", "training", "baselines", "tick_training", "fleet_risk"},
     "kvguard.ops": {"exporter", "rca", "demo_report", "export_service", "static_sweep", "timeline_report"},
 }
+
+# Rooms inside the node side. What runs inside a production engine (the plugin, the CUDA observer,
+# the sinks, the publisher, snapshot ingest) never imports the shadow fleet; the seed's engine is
+# quarantined: only the registry builds it.
+PRODUCTION_ROOMS = ("kvguard.producers.vllm", "kvguard.producers.torch_cuda", "kvguard.producers.sinks",
+                    "kvguard.producers.publisher", "kvguard.producers.torch_snapshot")
+SIM = "kvguard.producers.sim"
+QUARANTINED = "kvguard.producers.sim.seed"
+QUARANTINE_DOOR = "kvguard.producers.sim.registry"
 
 
 def layer_of(module: str) -> str:
@@ -54,6 +65,8 @@ def layer_of(module: str) -> str:
             return prefix
     if _under(module, RUNTIME):
         return "runtime"
+    if _under(module, TESTING):
+        return "testing"
     if _under(module, CLI):
         return "cli"
     if module.startswith("bench."):
@@ -89,7 +102,12 @@ def imported_modules(source: str, module: str) -> list[tuple[int, str]]:
 
 
 def _is_package(name: str) -> bool:
-    return name in SOURCE_DIRS or name in PUBLIC or name in BASE or name in (RUNTIME, CLI)
+    """Whether ``name`` is a package of this tree (a folder with ``__init__.py``)."""
+    for prefix, directory in sorted(SOURCE_DIRS.items(), key=lambda kv: -len(kv[0])):
+        if _under(name, prefix):
+            rest = name[len(prefix):].lstrip(".")
+            return (directory.joinpath(*rest.split(".")) / "__init__.py").exists() if rest else True
+    return False
 
 
 def _wing_of(module: str) -> str | None:
@@ -97,8 +115,8 @@ def _wing_of(module: str) -> str | None:
 
 
 def _public(target: str, wing: str) -> bool:
-    rest = target[len(wing) + 1:].split(".")[0] if target != wing else ""
-    return rest == "" or rest in PUBLIC.get(wing, set())
+    rest = target[len(wing) + 1:] if target != wing else ""
+    return rest == "" or any(rest == p or rest.startswith(p + ".") for p in PUBLIC.get(wing, set()))
 
 
 def check_import(importer: str, target: str) -> str | None:
@@ -114,6 +132,15 @@ def check_import(importer: str, target: str) -> str | None:
         return f"imports the CLI ({target}): only the entry point does"
     if src == "base" and dst != "base":
         return f"a base module imports {target} ({dst})"
+    if src == "testing" and dst not in ("base", "testing"):
+        return f"a test rig imports {target} ({dst}): rigs use the base only"
+    if dst == "testing" and src not in ("testing", "bench", "tests"):
+        return f"imports the test rigs ({target}): only tests and benchmarks do"
+    if any(_under(importer, room) for room in PRODUCTION_ROOMS) and _under(target, SIM):
+        return f"production code imports the shadow fleet ({target})"
+    if _under(target, QUARANTINED) and not (_under(importer, QUARANTINED) or importer == QUARANTINE_DOOR
+                                             or src in ("tests", "bench")):
+        return f"imports the quarantined seed engine ({target}): build engines through {QUARANTINE_DOOR}"
     if src in CORE_WINGS:
         if dst == "runtime":
             return f"a wing imports the runtime ({target})"
@@ -163,16 +190,25 @@ def test_the_tree_keeps_its_layers():
 @pytest.mark.parametrize("module, source, expected", [
     ("kvguard.contracts.events", "from kvguard.streams.core import StreamCore", "a base module imports"),
     ("kvguard.wire.schemas", "def f():\n    import kvguard.policy.engine", "a base module imports"),
-    ("kvguard.ops.rca", "from kvguard.streams import mirror\nfrom kvguard.producers.pool import PagedPool",
-     "an internal module of kvguard.producers"),
+    ("kvguard.ops.rca", "from kvguard.streams import mirror\nfrom kvguard.producers.sim.seed.pool import PagedPool",
+     "quarantined seed engine"),
     ("kvguard.ml.dataset", "from kvguard.runtime.embedded import run_embedded", "imports the runtime"),
-    ("kvguard.streams.core", "from kvguard.producers.fleet import Fleet", "imports another wing"),
+    ("kvguard.streams.core", "from kvguard.producers.sim.fleet import Fleet", "imports another wing"),
     ("kvguard.actuators.actuator", "from kvguard.policy.service import deliver_all", "imports another wing"),
     ("kvguard.runtime.embedded", "from kvguard.cli.node import run_node", "imports the CLI"),
     ("kvguard.ops.rca", "from ..cli import app", "imports the CLI"),
     ("bench.bench_decision_latency", "from tests.rigs import TansuBroker", "never tests/"),
     ("bench.bench_decision_latency", "from kvguard.cli.demo import run_embedded", "imports the CLI"),
     ("kvguard.policy.engine", "import streams.metrics", "the installed name is kvguard.streams.metrics"),
+    ("kvguard.producers.vllm.plugin", "from kvguard.producers.sim.vllm.engine import VllmEngine",
+     "production code imports the shadow fleet"),
+    ("kvguard.producers.torch_cuda", "def f():\n    from kvguard.producers.sim.torch_allocator import caching_allocator",
+     "production code imports the shadow fleet"),
+    ("kvguard.producers.sim.fleet", "from kvguard.producers.sim.seed.engine import Engine", "quarantined seed engine"),
+    ("kvguard.runtime.bootstrap", "from kvguard.producers.sim.seed.pool import PagedPool", "quarantined seed engine"),
+    ("kvguard.ops.rca", "from kvguard.producers.sim.vllm.kv import BlockPoolView", "an internal module of kvguard.producers"),
+    ("kvguard.runtime.embedded", "from kvguard.testing.rigs import TansuBroker", "only tests and benchmarks"),
+    ("kvguard.testing.rigs.tansu", "from kvguard.runtime.bootstrap import bootstrap", "rigs use the base only"),
 ])
 def test_each_kind_of_violation_is_caught(module, source, expected):
     found = violations({module: source})
@@ -182,10 +218,13 @@ def test_each_kind_of_violation_is_caught(module, source, expected):
 def test_allowed_imports_pass():
     ok = {
         "kvguard.streams.core": "from kvguard.contracts import pressure\nfrom kvguard.streams.mirror import AllocatorMirror",
-        "kvguard.ml.dataset": "from kvguard.producers.fleet import Fleet\nimport numpy as np",
-        "kvguard.runtime.embedded": "from kvguard.producers.pool import PagedPool\nfrom kvguard.ops.rca import analyse",
+        "kvguard.ml.dataset": "from kvguard.producers.sim.fleet import Fleet\nimport numpy as np",
+        "kvguard.runtime.embedded": "from kvguard.producers.sim.registry import make_engine\nfrom kvguard.ops.rca import analyse",
+        "kvguard.producers.sim.registry": "from kvguard.producers.sim.seed.engine import Engine",
+        "kvguard.producers.sim.vllm.engine": "from kvguard.producers.vllm.step_memory import Batch",
+        "kvguard.ops.plan": "from kvguard.producers.vllm.step_memory import kv_cache_bytes",
         "kvguard.cli.demo": "from kvguard.cli.app import app\nfrom kvguard.runtime.embedded import run_embedded",
-        "bench.bench_sim": "from kvguard.runtime.rigs import TansuBroker",
+        "bench.bench_sim": "from kvguard.testing.rigs import TansuBroker",
         "kvguard": "from kvguard.cli import main",
     }
     assert violations(ok) == []

@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 
 from kvguard.cli.app import app
 from kvguard.contracts.units import NS_PER_S
-from kvguard.producers.profiles import EngineKnobs, load_profile
-from kvguard.producers.step_memory import prompt_logprobs_bytes_per_token
-from kvguard.producers.vllm_engine import VllmEngine, VllmEngineConfig
-from kvguard.producers.workloads import Request
+from kvguard.producers.sim.profiles import EngineKnobs, load_profile
+from kvguard.producers.sim.vllm.engine import VllmEngine, VllmEngineConfig
+from kvguard.producers.sim.workloads import Request
+from kvguard.producers.vllm.step_memory import prompt_logprobs_bytes_per_token
 
 VLLM = "llama3-8b-24gb-vllm"
 
@@ -82,7 +82,7 @@ def test_simulate_takes_the_guard_on_vllm_profiles_and_refuses_it_on_the_seed_en
 
 @pytest.mark.parametrize("util", [0.9, 0.95])
 def test_the_per_token_cost_is_what_the_step_plan_allocates(util):
-    from kvguard.producers.step_memory import Batch, step_plan_for
+    from kvguard.producers.vllm.step_memory import Batch, step_plan_for
 
     e = engine(util, guard=False)
     shape = e.spec.shape

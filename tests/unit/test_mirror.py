@@ -164,10 +164,10 @@ def test_empty_pool_checksum_matches_contract_function():
 
 
 def test_mirror_equals_the_shadow_engine_pool_after_every_batch_and_at_ticks():
-    """Real engine logs (producers.fleet): U_kv, F_ext, F_int, Ψ equal the pool's own exact values."""
-    from kvguard.producers.fleet import Fleet
-    from kvguard.producers.profiles import load_profile
-    from kvguard.producers.workloads import load_workload
+    """Real engine logs (producers.sim.fleet): U_kv, F_ext, F_int, Ψ equal the pool's own exact values."""
+    from kvguard.producers.sim.fleet import Fleet
+    from kvguard.producers.sim.profiles import load_profile
+    from kvguard.producers.sim.workloads import load_workload
     from kvguard.streams.core import StreamCore
 
     ns = NS_PER_S

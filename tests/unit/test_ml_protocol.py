@@ -12,9 +12,16 @@ from typer.testing import CliRunner
 
 from kvguard.contracts.units import NS_PER_S
 from kvguard.ml import evaluation as ev
-from kvguard.ml.dataset import (RunSpec, Sequence, TickDataset, assemble, build_dataset, run_fingerprint,
-                                synthetic_sequences)
-from kvguard.producers.profiles import prompt_cap_tokens
+from kvguard.ml.dataset import (
+    RunSpec,
+    Sequence,
+    TickDataset,
+    assemble,
+    build_dataset,
+    run_fingerprint,
+    synthetic_sequences,
+)
+from kvguard.producers.sim.profiles import prompt_cap_tokens
 from kvguard.streams.metrics import FEATURE_NAMES, tick_features
 from tests.unit.test_alerts import tick
 
@@ -151,7 +158,7 @@ def test_run_fingerprint_tells_runs_apart():
 
 def test_dataset_caps_prompts_as_simulate_does(monkeypatch):
     from kvguard.ml import dataset
-    from kvguard.producers.profiles import load_profile, profile_names
+    from kvguard.producers.sim.profiles import load_profile, profile_names
 
     for name in profile_names():
         profile = load_profile(name)

@@ -2,8 +2,8 @@
 
 from dataclasses import replace
 
-from kvguard.contracts.units import NS_PER_S
 from kvguard.contracts.commands import Mode
+from kvguard.contracts.units import NS_PER_S
 from kvguard.policy.modes import ModeConfig, ModeTracker
 from kvguard.policy.planner import NodeView
 from kvguard.wire.schemas import MetricTick
@@ -69,10 +69,10 @@ def test_mode_changes_are_published_as_alerts_by_the_service():
     import orjson
 
     from kvguard.bus.inproc import InprocBus
+    from kvguard.config.settings import Settings
     from kvguard.policy.budget import BudgetConfig, MemoryBudgetLedger, tick_week
     from kvguard.policy.engine import EngineConfig, PolicyEngine
     from kvguard.policy.service import MODE_ALERT, PolicyService
-    from kvguard.wire.settings import Settings
 
     settings = Settings()
     bus = InprocBus.from_settings(settings)
@@ -121,9 +121,9 @@ async def test_policy_service_delivers_through_a_broker_outage_before_committing
     import orjson
 
     from kvguard.bus.inproc import InprocBus
+    from kvguard.config.settings import Settings
     from kvguard.policy.engine import EngineConfig, PolicyEngine
     from kvguard.policy.service import PolicyService
-    from kvguard.wire.settings import Settings
     from tests.unit.test_actuator import FlakyBus
 
     settings = Settings()

@@ -4,11 +4,11 @@
 import asyncio
 
 from kvguard.bus.inproc import InprocBus
+from kvguard.config.settings import Settings
 from kvguard.runtime.bootstrap import bootstrap
 from kvguard.runtime.embedded import demo_workload, run_embedded
 from kvguard.streams.embedded import StreamsService
 from kvguard.wire.schemas import batch_headers, encode_batch
-from kvguard.wire.settings import Settings
 
 
 async def published(bus: InprocBus, settings: Settings, kind: str) -> dict[str, bytes]:

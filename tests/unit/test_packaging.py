@@ -23,9 +23,18 @@ def test_the_wheel_installs_only_the_kvguard_namespace_with_its_data(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"kvguard", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1]
                                                  + ".dist-info"}
-    for module in ("kvguard/policy/engine.py", "kvguard/producers/pool.py", "kvguard/streams/core.py",
-                   "kvguard/actuators/actuator.py", "kvguard/producers/profiles.json",
+    for module in ("kvguard/policy/engine.py", "kvguard/producers/sim/seed/pool.py", "kvguard/streams/core.py",
+                   "kvguard/actuators/actuator.py", "kvguard/producers/sim/profiles.json",
+                   "kvguard/producers/vllm/plugin.py", "kvguard/producers/sim/vllm/engine.py",
                    "kvguard/streams/models/oom_lstm.pt", "kvguard/streams/models/oom_trees.npz",
-                   "kvguard/streams/models/oom_trees.json", "kvguard/producers/data/azure_llm_2023_conv.csv.gz",
-                   "kvguard/producers/data/vllm_model/config.json"):
+                   "kvguard/streams/models/oom_trees.json", "kvguard/producers/sim/data/azure_llm_2023_conv.csv.gz",
+                   "kvguard/producers/sim/data/vllm_model/config.json"):
         assert module in names, module
+    # every package of the tree is in the wheel (pyproject.toml lists packages by hand)
+    for folder in ("kvguard", "producers", "streams", "policy", "actuators"):
+        for init in (ROOT / folder).rglob("__init__.py"):
+            if "__pycache__" in init.parts:
+                continue
+            rel = init.relative_to(ROOT).as_posix()
+            installed = rel if folder == "kvguard" else f"kvguard/{rel}"
+            assert installed in names, f"{rel}: add its package to [tool.setuptools] packages in pyproject.toml"

@@ -1,4 +1,4 @@
-"""Behaviours of the paged KV pool (producers/pool.py), one per test."""
+"""Behaviours of the paged KV pool (producers/sim/seed/pool.py), one per test."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 
 from kvguard.contracts.events import F_TO_CACHE, EventKind, Geometry, Handling, RegionState, free_runs_checksum
-from kvguard.producers.allocator import FreeRunAllocator
-from kvguard.producers.pool import (
+from kvguard.producers.sim.seed.free_runs import FreeRunAllocator
+from kvguard.producers.sim.seed.pool import (
     CheckpointMissing,
     PagedPool,
     PageState,

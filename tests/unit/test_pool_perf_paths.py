@@ -18,12 +18,12 @@ import pytest
 
 from kvguard.contracts.events import EVENT_DTYPE, EventKind, Geometry, Handling
 from kvguard.contracts.units import NS_PER_S
-from kvguard.producers.allocator import FreeRunAllocator
-from kvguard.producers.engine import Engine
-from kvguard.producers.fleet import Fleet
-from kvguard.producers.pool import PagedPool, PoolError, _Page, _Table
-from kvguard.producers.profiles import load_profile
-from kvguard.producers.workloads import load_workload
+from kvguard.producers.sim.fleet import Fleet
+from kvguard.producers.sim.profiles import load_profile
+from kvguard.producers.sim.seed.engine import Engine
+from kvguard.producers.sim.seed.free_runs import FreeRunAllocator
+from kvguard.producers.sim.seed.pool import PagedPool, PoolError, _Page, _Table
+from kvguard.producers.sim.workloads import load_workload
 
 
 class SlowAllocator(FreeRunAllocator):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvguard.contracts.events import Geometry, Handling
-from kvguard.producers.pool import (
+from kvguard.producers.sim.seed.pool import (
     CheckpointMissing,
     PagedPool,
     PageState,

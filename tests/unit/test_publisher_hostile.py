@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from kvguard.bus.inproc import InprocBus
+from kvguard.config.settings import Settings
 from kvguard.contracts.events import EVENT_DTYPE, EventBatch, EventKind
 from kvguard.producers.publisher import NodePublisher
 from kvguard.streams.core import StreamCore
 from kvguard.wire.schemas import decode_batch
-from kvguard.wire.settings import Settings
 from tests.unit.test_stream_hostile import two_node_stream
 
 TOPIC = "kvguard.events"

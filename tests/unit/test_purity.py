@@ -5,12 +5,12 @@ import subprocess
 import sys
 
 PURE = ["kvguard.contracts.events", "kvguard.contracts.pressure", "kvguard.wire.eventlog",
-        "kvguard.producers.pool", "kvguard.producers.allocator", "kvguard.producers.engine", "kvguard.producers.fleet", "kvguard.producers.workloads",
-        "kvguard.producers.profiles",
+        "kvguard.producers.sim.seed.pool", "kvguard.producers.sim.seed.free_runs", "kvguard.producers.sim.seed.engine", "kvguard.producers.sim.fleet", "kvguard.producers.sim.workloads",
+        "kvguard.producers.sim.profiles",
         "kvguard.streams.mirror", "kvguard.streams.metrics", "kvguard.streams.alerts", "kvguard.streams.core", "kvguard.streams.predictor",
         "kvguard.policy.strategy", "kvguard.policy.modes", "kvguard.policy.planner", "kvguard.policy.engine", "kvguard.contracts.commands", "kvguard.policy.budget",
-        "kvguard.policy.slo", "kvguard.actuators.executor", "kvguard.producers.caching_allocator",
-        "kvguard.producers.torch_snapshot", "kvguard.producers.step_memory"]
+        "kvguard.policy.slo", "kvguard.actuators.executor", "kvguard.producers.sim.torch_allocator.caching_allocator",
+        "kvguard.producers.torch_snapshot.snapshot", "kvguard.producers.vllm.step_memory"]
 FORBIDDEN = ["faust", "aiokafka", "redis", "pydantic"]
 
 

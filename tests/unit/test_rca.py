@@ -1,4 +1,4 @@
-"""`kvguard rca` on event logs recorded from the real shadow engine (producers.fleet.Fleet)."""
+"""`kvguard rca` on event logs recorded from the real shadow engine (producers.sim.fleet.Fleet)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from kvguard.wire.eventlog import EventLogWriter, read_event_log
 
 def _record(path: Path, *, rate_scale: float, duration_s: float, seed: int = 0) -> list[dict]:
     """Run the mixed workload on one simulated GPU, write its event log; return the engine's OOM log."""
-    from kvguard.producers.fleet import Fleet
-    from kvguard.producers.profiles import load_profile
-    from kvguard.producers.workloads import load_workload
+    from kvguard.producers.sim.fleet import Fleet
+    from kvguard.producers.sim.profiles import load_profile
+    from kvguard.producers.sim.workloads import load_workload
 
     profile = load_profile("llama3-8b-24gb")  # the seed profile: its arena OOMs are what the RCA tests read
     max_prompt = min(profile.max_model_len - 1024, int(profile.capacity_tokens * 0.6))

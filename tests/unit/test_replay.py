@@ -9,9 +9,9 @@ from typer.testing import CliRunner
 from kvguard.cli import app
 from kvguard.contracts.events import EventKind
 from kvguard.contracts.units import NS_PER_S
-from kvguard.producers.fleet import Fleet
-from kvguard.producers.profiles import load_profile
-from kvguard.producers.workloads import load_workload
+from kvguard.producers.sim.fleet import Fleet
+from kvguard.producers.sim.profiles import load_profile
+from kvguard.producers.sim.workloads import load_workload
 from kvguard.runtime.replay import workload_from_log
 from kvguard.wire.eventlog import read_event_log, write_event_log
 

@@ -1,4 +1,4 @@
-"""The vLLM-v1 scheduler (producers.scheduler): budgets, chunked prefill, admission gates, preemption
+"""The vLLM-v1 scheduler (producers.sim.vllm.scheduler): budgets, chunked prefill, admission gates, preemption
 order, rejection at arrival, finishing. The step-by-step comparison with vLLM itself is
 tests/integration/test_vllm_conformance.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.producers.scheduler import (
+from kvguard.producers.sim.vllm.scheduler import (
     BadModelOutput,
     DuplicateRequest,
     RejectReason,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvguard.wire.settings import ConfigError, Settings
+from kvguard.config.settings import ConfigError, Settings
 
 
 def test_defaults_follow_the_design():

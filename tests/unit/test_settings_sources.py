@@ -4,7 +4,7 @@ nothing ambient in ``Settings(...)``, unknown names are errors)."""
 
 import pytest
 
-from kvguard.wire.settings import ConfigError, Settings
+from kvguard.config.settings import ConfigError, Settings
 
 
 def test_a_value_is_json_only_where_the_field_wants_a_structure():

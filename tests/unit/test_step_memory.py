@@ -5,7 +5,7 @@ Reference figures come from real vLLM start-up logs (sources in docs/NODE_MEMORY
 
 import pytest
 
-from kvguard.producers.step_memory import (
+from kvguard.producers.vllm.step_memory import (
     Batch,
     GiB,
     ModelShape,

@@ -78,9 +78,9 @@ def test_strategy_value_is_validated_on_construction():
 
 
 def test_settings_file_and_environment_reach_the_policy_engine_config(tmp_path):
-    from kvguard.producers.profiles import load_profile
+    from kvguard.config.settings import Settings
+    from kvguard.producers.sim.profiles import load_profile
     from kvguard.runtime.bootstrap import engine_config_from
-    from kvguard.wire.settings import Settings
 
     path = tmp_path / "kvguard.toml"
     path.write_text('[policy.default]\nselection = "priority"\nthreshold = 0.8\n')

@@ -222,7 +222,7 @@ def test_process_many_merges_contiguous_batches_without_changing_ticks():
 
 
 def test_config_maps_from_settings():
-    from kvguard.wire.settings import Settings
+    from kvguard.config.settings import Settings
 
     settings = Settings.load(env={"KVGUARD_STREAMS__TICK_S": "5", "KVGUARD_STREAMS__FRAG_FOR_S": "60",
                                   "KVGUARD_PREDICTOR__THRESHOLD": "0.4"})

@@ -155,7 +155,7 @@ def test_per_node_state_is_capped_and_idle_nodes_are_forgotten():
 
 
 def test_the_cap_and_the_epoch_bound_come_from_settings():
-    from kvguard.wire.settings import Settings
+    from kvguard.config.settings import Settings
 
     s = Settings.load(env={"KVGUARD_STREAMS__MAX_NODES": "7", "KVGUARD_STREAMS__MAX_EPOCH_JUMP": "1000",
                            "KVGUARD_STREAMS__MAX_BATCH_EVENTS": "50"})

@@ -16,8 +16,13 @@ from kvguard.ml.tick_training import export_trees, train_tick_model
 from kvguard.streams.loader import load_predictor as load_model
 from kvguard.streams.metrics import FEATURE_NAMES
 from kvguard.streams.predictor import ModelError, ModelFeatureMismatch, check_predictor
-from kvguard.streams.tick_model import (TickModelMetadata, TickModelPredictor, is_tick_model, load_tick_model,
-                                        save_tick_model)
+from kvguard.streams.tick_model import (
+    TickModelMetadata,
+    TickModelPredictor,
+    is_tick_model,
+    load_tick_model,
+    save_tick_model,
+)
 from tests.unit.test_dataset import synthetic_dataset
 
 NAMES = list(FEATURE_NAMES)
@@ -115,9 +120,9 @@ def test_a_broken_or_foreign_artifact_is_a_model_error_naming_the_file(tmp_path,
 
 
 def test_the_stream_core_scores_ticks_with_the_tree_model(trained):
-    from kvguard.producers.fleet import Fleet
-    from kvguard.producers.profiles import load_profile
-    from kvguard.producers.workloads import load_workload
+    from kvguard.producers.sim.fleet import Fleet
+    from kvguard.producers.sim.profiles import load_profile
+    from kvguard.producers.sim.workloads import load_workload
     from kvguard.streams.core import StreamConfig, StreamCore
 
     fleet = Fleet(1, load_profile("llama3-8b-24gb-vllm"), seed=0)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-import kvguard.producers.torch_snapshot as ts
+import kvguard.producers.torch_snapshot.snapshot as ts
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "torch_snapshots"
 TRACED = ["cs336_silmont2000_mem_snapshot.pickle", "decomfl_memory.pickle.gz",

@@ -6,11 +6,11 @@ import pytest
 
 from kvguard.contracts.events import EventKind, OomCause, OomLayer, Outcome, Pool
 from kvguard.contracts.units import NS_PER_S
-from kvguard.producers.caching_allocator import OutOfMemoryError
-from kvguard.producers.fleet import Fleet
-from kvguard.producers.profiles import ProfileError, load_profile, profile_from_dict
-from kvguard.producers.vllm_engine import VllmEngine, VllmEngineConfig
-from kvguard.producers.workloads import Request, load_workload
+from kvguard.producers.sim.fleet import Fleet
+from kvguard.producers.sim.profiles import ProfileError, load_profile, profile_from_dict
+from kvguard.producers.sim.torch_allocator.caching_allocator import OutOfMemoryError
+from kvguard.producers.sim.vllm.engine import VllmEngine, VllmEngineConfig
+from kvguard.producers.sim.workloads import Request, load_workload
 from kvguard.streams.mirror import AllocatorMirror
 
 MiB = 1 << 20

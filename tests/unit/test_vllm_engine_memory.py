@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from kvguard.contracts.events import EventKind, OomCause
-from kvguard.producers.profiles import VllmSpec
-from kvguard.producers.step_memory import ModelShape, profile_peak_bytes
-from kvguard.producers.vllm_engine_kv import EventRecorder
-from kvguard.producers.vllm_engine_memory import StepOOM, WorkerMemory, measure_ledger
+from kvguard.producers.sim.profiles import VllmSpec
+from kvguard.producers.sim.vllm.kv import EventRecorder
+from kvguard.producers.sim.vllm.memory import StepOOM, WorkerMemory, measure_ledger
+from kvguard.producers.vllm.step_memory import ModelShape, profile_peak_bytes
 
 GiB, MiB = 1 << 30, 1 << 20
 LLAMA3_8B = ModelShape(num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
@@ -91,7 +91,7 @@ def test_allocator_rows_rebuild_the_segments_and_the_persistent_blocks():
 
 
 def test_a_step_beyond_the_headroom_raises_a_cuda_oom_with_its_cause():
-    from kvguard.producers.step_memory import Batch
+    from kvguard.producers.vllm.step_memory import Batch
 
     big_vocab = ModelShape(**{**{f: getattr(TINY, f) for f in TINY.__slots__}, "vocab_size": 128256})
     worker = _worker(VllmSpec(shape=big_vocab))

@@ -1,4 +1,4 @@
-"""The /metrics parser and interval arithmetic of ``producers.vllm_metrics`` on hand-made edge cases
+"""The /metrics parser and interval arithmetic of ``producers.vllm.metrics`` on hand-made edge cases
 (the real vLLM exposition is tested in tests/integration/test_scrape.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kvguard.producers.vllm_metrics import (
+from kvguard.producers.vllm.metrics import (
     MetricsParseError,
     histogram_quantile,
     interval,

@@ -1,4 +1,4 @@
-"""Where the vLLM plugin's batches go (``producers.vllm_plugin``): the node publisher on its own thread
+"""Where the vLLM plugin's batches go (``producers.vllm.plugin``): the node publisher on its own thread
 (over the in-process bus here; Kafka in a pod), an event log, or nowhere; and which one the
 environment selects. No vLLM needed: the sinks take plain ``EventBatch`` es."""
 
@@ -10,12 +10,13 @@ import time
 import numpy as np
 
 from kvguard.bus.inproc import InprocBus
+from kvguard.config.settings import Settings
 from kvguard.contracts.events import EventBatch, EventKind, empty_events
-from kvguard.producers.vllm_plugin import DiscardSink, EventLogSink, KafkaSink, PluginConfig, make_sink
-from kvguard.producers.vllm_plugin_translator import geometry_for_blocks
+from kvguard.producers.sinks import DiscardSink, EventLogSink, KafkaSink, make_sink
+from kvguard.producers.vllm.plugin import PluginConfig
+from kvguard.producers.vllm.translator import geometry_for_blocks
 from kvguard.wire.eventlog import read_event_log
 from kvguard.wire.schemas import decode_batch
-from kvguard.wire.settings import Settings
 
 GEOMETRY = geometry_for_blocks(101, 16, 1024)
 
@@ -65,5 +66,5 @@ def test_the_environment_picks_the_sink():
     assert PluginConfig.from_env({"KVGUARD_KAFKA__BOOTSTRAP": "k2:9092"}).bootstrap == "k2:9092"
     assert PluginConfig.from_env({"KVGUARD_CONFIG": "/etc/kvguard.toml"}).bootstrap == "settings"
     assert PluginConfig.from_env({"KVGUARD_NODE__NODE_ID": "a/b"}).node_id == "a/b"
-    assert isinstance(make_sink(PluginConfig(), "n"), DiscardSink)
-    assert isinstance(make_sink(PluginConfig(events_out="/tmp/x.jsonl.gz"), "n"), EventLogSink)
+    assert isinstance(make_sink(None, None, "n"), DiscardSink)
+    assert isinstance(make_sink(None, "/tmp/x.jsonl.gz", "n"), EventLogSink)

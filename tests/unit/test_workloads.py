@@ -3,7 +3,7 @@ import gzip
 import numpy as np
 import pytest
 
-from kvguard.producers.workloads import (
+from kvguard.producers.sim.workloads import (
     HASH_BLOCK_TOKENS,
     SCENARIOS,
     WorkloadError,
