@@ -7,7 +7,7 @@ are exported to plain arrays (``<stem>.npz``) with a JSON metadata file (``<stem
 worker loads no pickle, imports neither scikit-learn nor torch, and the artifact cannot run code.
 
 Scoring is exactly scikit-learn's (``HistGradientBoostingClassifier.predict_proba`` for numerical
-features; ``tests/unit/test_tick_model.py`` checks equality): the raw score is the baseline plus each
+features; ``tests/unit/streams/test_tick_model.py`` checks equality): the raw score is the baseline plus each
 tree's leaf value, a feature value goes left when it is ``<= num_threshold`` (a missing one where
 the tree learnt missing values go), and P(OOM) is the logistic of the raw score. Non-finite
 features are fed as 0, as in training.

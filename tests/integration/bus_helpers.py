@@ -9,7 +9,7 @@ from kvguard.contracts.events import EventBatch
 from kvguard.contracts.units import NS_PER_S
 
 # the seed engine (an alternative profile since issue 11): these logs exercise its arena OOMs, snapshots
-# and fragmentation; the vLLM engine's own events are tested in tests/unit/test_simulate_vllm.py
+# and fragmentation; the vLLM engine's own events are tested in tests/unit/cli/test_simulate_vllm.py
 SEED_PROFILE = "llama3-8b-24gb"
 
 def fleet_event_log(n_gpus: int = 3, seconds: int = 60, step_s: int = 5, seed: int = 3) -> list[EventBatch]:

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 # the seed engine (an alternative profile since issue 11): these logs exercise its arena OOMs, snapshots
-# and fragmentation; the vLLM engine's own events are tested in tests/unit/test_simulate_vllm.py
+# and fragmentation; the vLLM engine's own events are tested in tests/unit/cli/test_simulate_vllm.py
 SEED_PROFILE = "llama3-8b-24gb"
 
 def shadow_log(n_gpus: int = 3, seconds: int = 150, step_s: int = 2, seed: int = 5,

@@ -14,7 +14,7 @@ from kvguard.contracts.units import NS_PER_S
 from kvguard.ops.export_service import EXPORT_KINDS, ExportService
 from kvguard.ops.exporter import ExportError, rfc3339
 from kvguard.wire.schemas import Ack, Alert, Command, DlqRecord, MetricTick, make_headers
-from tests.unit.test_exporter import parse, value
+from tests.unit.ops.test_exporter import parse, value
 
 NODES = ("sim-0/gpu0", "sim-0/gpu1")
 

@@ -13,8 +13,8 @@ from kvguard.bus.kafka import KafkaBus
 from kvguard.contracts.commands import Ack, AckOutcome
 from kvguard.contracts.units import NS_PER_S
 from tests.integration.bus_helpers import consume, drain_quietly
-from tests.unit.test_actuator import NODE, SECRET, Crash, CrashAfterEffect, evict_command
-from tests.unit.test_executor import running_engine
+from tests.unit.actuators.test_actuator import NODE, SECRET, Crash, CrashAfterEffect, evict_command
+from tests.unit.actuators.test_executor import running_engine
 
 pytestmark = pytest.mark.integration
 

@@ -62,7 +62,7 @@ Speed: the simulator's hot work is single-unit small pages (a decode page per fe
 when its request ends). ``grow``/``grow_many`` place them without a plan (``_grow_small``: best fit
 for one unit is the allocator's first free run), ``release`` frees a request's unshared unhashed
 pages inline, and rows are packed into a byte buffer laid out as EVENT_DTYPE, so ``take_events``
-is one copy. Same state and rows as the general paths (tests/unit/test_pool_perf_paths.py).
+is one copy. Same state and rows as the general paths (tests/unit/producers/sim/seed/test_pool_perf_paths.py).
 ``release`` of an unknown request returns 0 (idempotent); other request actions raise.
 A retained or swapped entry still in the table when its request is released is dropped then
 (retained units: EXPIRE rows). ``reset`` drops everything, swap and checkpoints included.

@@ -12,7 +12,7 @@ fraction-gated garbage collector. The snapshot and ``memory_stats`` shapes follo
 torch 2.13.0 (``torch/cuda/memory.py``, ``torch/cuda/_memory_viz.py``) and ``_memory_snapshot_pickled``.
 No newer C++ text was available, so rules changed after those commits are not in the twin. Checked
 against reality by replaying four public ``_dump_snapshot`` traces (torch 2.6 to 2.11) through it
-(tests/unit/test_caching_allocator_replay.py): every alloc lands at the recorded address.
+(tests/unit/producers/sim/torch_allocator/test_caching_allocator_replay.py): every alloc lands at the recorded address.
 
 Files: ``torch_allocator.config`` (settings, size rules), ``torch_allocator.blocks`` (blocks, pools,
 stats, errors), ``torch_allocator.device`` (the driver: capacity, external memory, addresses),

@@ -21,7 +21,7 @@ So the stretch is computed per request, not per (step, request): the pops and ca
 given by ``c`` modulo the block size, the finishes at ``min(max_tokens - output, max_model_len -
 num_tokens)``; they are applied in (step, running order) order through vLLM's own block pool and
 cache manager, so the free-queue order, the prefix-cache map and the block tables end as k calls of
-``schedule()`` + ``update_from_output()`` would leave them (tests/unit/test_vllm_engine.py replays
+``schedule()`` + ``update_from_output()`` would leave them (tests/unit/producers/sim/vllm/test_vllm_engine.py replays
 the same workload with fusion off and compares every row and the final state). The step's allocator
 replays run first, step by step (each with its own time stamp); a CUDA OOM at step j applies the j
 complete steps and the scheduling of step j, then crashes there, as the step-by-step engine would.

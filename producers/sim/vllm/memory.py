@@ -32,7 +32,7 @@ cudaFree the twin makes (seen through a recording ``Driver``, in order), BLK_ALL
 blocks that outlive the step that made them (the persistent buffers and the cuBLAS workspace), and
 ALLOC_RETRY for each release-cached-blocks-and-retry. Blocks made and freed within one step give no row.
 
-Speed, with exactness kept (tests/unit/test_vllm_engine_memory.py checks both against plain replay):
+Speed, with exactness kept (tests/unit/producers/sim/vllm/test_vllm_engine_memory.py checks both against plain replay):
 
 * A step that made no driver call frees everything it allocated, so the twin is back in the state it
   started from (the blocks of a segment are the maximal free gaps between its allocated blocks, and
