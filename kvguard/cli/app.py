@@ -5,7 +5,8 @@ import typer
 
 app = typer.Typer(
     name="kvguard",
-    help="Predict GPU KV-cache OOMs minutes ahead and prevent them.",
+    help=("Keep LLM inference servers from CUDA OOMs and preemption storms: watch the KV cache and the "
+          "allocator, size each step, act through the engine's knobs."),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
