@@ -41,6 +41,16 @@ applied; the next SNAPSHOT with state repairs it). Rejections are counted, logge
 and listed in ``StreamCore.rejected`` (the latest call's) for the caller's DLQ. Per-node state
 is capped at ``max_nodes`` (the least recently seen node is evicted first); idle nodes are
 evicted by the caller's clock through ``forget`` (wall time: event time differs per node).
+
+Scoring (tier 3). Each tick's predictor window is taken when the tick is made (the node's last
+``window_ticks`` feature vectors, ending at that tick; a younger node's left-padded, as the models
+were trained), so a call that makes many ticks of one node (a GPU back after being down, a restart,
+a gap) scores each on its own history. The predictor is called once for every tick of the call;
+when that call raises or answers out of shape, the ticks are scored node by node and a failing
+node's tick by tick, and a P(OOM) that is not a fraction in [0, 1] (or a forecast that is not
+finite) is dropped: such a tick goes out with ``p_oom`` None, counted in
+``CoreCounters.ticks_unscored`` and logged, and no other tick or node is affected. A stateful
+predictor's node whose call failed is primed afresh from its window.
 """
 
 from __future__ import annotations
@@ -201,6 +211,10 @@ class NodeState:
         self.max_ts_ns: int | None = None
         self.slope_points: deque[tuple[int, float]] = deque()
         self.features = FeatureHistory(config.window_ticks)
+        # the predictor's window of each tick made since the core last took them (``take_windows``),
+        # taken when the tick is made: later ticks of the same call overwrite the ring buffer
+        self.score_window_ticks = config.window_ticks if with_predictor else 0
+        self.windows: list[TickWindow] = []
         self.alerts = AlertEvaluator(default_rules(config.thresholds, with_predictor=with_predictor))
         self._mark = Counts.zero()  # cumulative counters at the last tick
         self.events_since_tick = 0
@@ -437,9 +451,28 @@ class NodeState:
             logprob_requests_pending=int(logprobs.sum()), logprob_prompt_tokens_pending=logprob_tokens,
         )
         self.features.push(tick_features(tick))
+        if self.score_window_ticks:
+            self.windows.append(self._tick_window(ts_ns))
         if len(table.req) > 4096:
             m.forget_finished()
         return tick
+
+    def _tick_window(self, ts_ns: int) -> "TickWindow":
+        """The predictor's input for the tick just made: the last ``score_window_ticks`` feature
+        vectors, ending at it. A window that cannot be built (an empty history) is None: that
+        tick gets no P(OOM)."""
+        try:
+            window = self.features.window(self.score_window_ticks)
+        except ValueError as err:
+            log.warning("node %s: no feature window for the tick at %d ns (%s): no P(OOM) for it", self.node,
+                        ts_ns, err)
+            window = None
+        return TickWindow(window, self.resets)
+
+    def take_windows(self) -> list["TickWindow"]:
+        """The windows of the ticks made since the last call, in tick order; the list is cleared."""
+        windows, self.windows = self.windows, []
+        return windows
 
     def _candidates(self, table, holding: np.ndarray) -> list[Candidate]:
         """Up to K requests holding pages: the union of the least recently active, the lowest
@@ -523,6 +556,28 @@ class NodeState:
         return st
 
 
+class TickWindow(NamedTuple):
+    """A tick's predictor input, taken when the tick was made."""
+
+    features: np.ndarray | None  # [window_ticks, F]; None: no history to score (no P(OOM) for the tick)
+    resets: int  # the node's ``resets`` then: a change since the predictor's state was primed means "prime again"
+
+
+class Prediction(NamedTuple):
+    """The predictor's answer for one tick, inside the tick's contract."""
+
+    p_oom: float
+    u_kv_forecast: list[float]
+
+
+class Scoring(NamedTuple):
+    """A tick waiting for its P(OOM): its node's state, the tick and its window (None: no predictor)."""
+
+    state: "NodeState"
+    tick: Tick
+    window: TickWindow | None
+
+
 class OffClock(NamedTuple):
     """A batch whose event time was more than ``max_ts_skew_s`` off its node's clock."""
 
@@ -547,6 +602,7 @@ class CoreCounters:
     ts_jumps_rejected: int = 0  # event time more than max_ts_skew_s ahead of the node's clock, unconfirmed
     clock_rebases: int = 0  # a node's clock set by a bogus event time started over
     batches_failed: int = 0  # applying them raised; the node was marked unsynced
+    ticks_unscored: int = 0  # a predictor runs but the tick got no P(OOM): no window, or its node's scoring failed
     duplicates_dropped: int = 0  # redeliveries dropped before they were applied
     nodes_evicted_cap: int = 0  # the least recently seen node, to stay within max_nodes
     nodes_evicted_idle: int = 0  # idle past the caller's timeout (``forget``)
@@ -591,6 +647,8 @@ class StreamCore:
         st = self.nodes.pop(node, None)
         if st is None:
             st = NodeState(node, self.config, with_predictor=self.predictor is not None)
+        # also for a state restored by the caller (``NodeState.from_bytes``): windows as long as the model reads
+        st.score_window_ticks = 0 if self.predictor is None else int(self.predictor.window_ticks)
         self.nodes[node] = st
         while len(self.nodes) > self.config.max_nodes:
             self.forget(next(iter(self.nodes)), idle=False)
@@ -635,7 +693,7 @@ class StreamCore:
         by_node: dict[str, list[EventBatch]] = {}
         for batch in batches:
             by_node.setdefault(batch.node, []).append(batch)
-        produced: list[tuple[NodeState, Tick, np.ndarray | None]] = []
+        produced: list[Scoring] = []
         for node, node_batches in by_node.items():
             st = self.node_state(node)
             current = st.mirror.geometry if st.mirror is not None else None
@@ -646,10 +704,10 @@ class StreamCore:
                 try:
                     ticks = self._apply_group(st, group)
                 except Exception as err:  # noqa: BLE001 - one node's bad input must not stop the others
+                    st.take_windows()
                     self._failed(st, group, err)
                     continue
-                for i, tick in enumerate(ticks):
-                    produced.append((st, tick, self._window(st, len(ticks) - 1 - i)))
+                produced += self._scoring(st, ticks)
         return self._finish(produced)
 
     def _apply_group(self, st: NodeState, group: list[EventBatch]) -> list[Tick]:
@@ -764,78 +822,201 @@ class StreamCore:
         """The end of the input (a log replayed to its last line): every node with events since its
         last tick gets that interval's tick now, marked ``partial``, so a node's last events (its
         OOM, say) are not lost for want of a later event."""
-        produced = []
+        produced: list[Scoring] = []
         for node in sorted(self.nodes):
             st = self.nodes[node]
             if st.events_since_tick == 0 or st.next_boundary_ns is None or st.mirror is None:
                 continue
             ticks = [replace(t, partial=True) for t in st.flush(st.next_boundary_ns)]
-            for i, tick in enumerate(ticks):
-                produced.append((st, tick, self._window(st, len(ticks) - 1 - i)))
+            produced += self._scoring(st, ticks)
         return self._finish(produced)
 
     def flush(self, now_ns: int) -> tuple[list[Tick], list[Alert]]:
         """Emit due ticks of every node up to ``now_ns`` (event time of the caller's choosing)."""
-        produced = []
+        produced: list[Scoring] = []
         for node in sorted(self.nodes):
             st = self.nodes[node]
-            ticks = st.flush(now_ns)
-            for i, tick in enumerate(ticks):
-                produced.append((st, tick, self._window(st, len(ticks) - 1 - i)))
+            produced += self._scoring(st, st.flush(now_ns))
         return self._finish(produced)
 
-    def _window(self, st: NodeState, lag: int):
-        """The predictor's input for the tick ``lag`` ticks before the node's newest: its full window
-        (``predict``, or ``prime`` for a node without predictor state), else ``("step", features)``."""
+    def _scoring(self, st: NodeState, ticks: list[Tick]) -> list[Scoring]:
+        """Pair the node's new ticks with the windows taken when they were made."""
+        windows = st.take_windows()
         if self.predictor is None:
-            return None
-        if self.stateful:
-            primed = self._primed.get(st.node)
-            if primed is not None and primed[0] is st and primed[1] == st.resets:
-                return ("step", st.features.window(1, lag)[0])
-            if primed is not None:  # lost events (gap, new epoch/geometry) or a restored state: start over
-                self.predictor.forget(st.node)
-            self._primed[st.node] = (st, st.resets)
-            return ("prime", st.features.window(self.predictor.window_ticks, lag))
-        return st.features.window(self.predictor.window_ticks, lag)
+            return [Scoring(st, tick, None) for tick in ticks]
+        if len(windows) != len(ticks):  # a tick made without its window: score none of them rather than guess
+            log.error("node %s: %d ticks but %d feature windows: no P(OOM) for them", st.node, len(ticks),
+                      len(windows))
+            windows = [TickWindow(None, st.resets)] * len(ticks)
+        return [Scoring(st, tick, window) for tick, window in zip(ticks, windows)]
 
-    def _score_stateful(self, produced) -> tuple[list[float], list]:
-        """Prime/step in rounds so each node advances once per call of the predictor, in tick order."""
-        p_out: list[float] = [0.0] * len(produced)
-        traj_out: list = [None] * len(produced)
-        rounds: list[list[int]] = []
-        seen: dict[str, int] = {}
-        for i, (st, _, _) in enumerate(produced):
-            k = seen.get(st.node, 0)
-            seen[st.node] = k + 1
-            if k == len(rounds):
-                rounds.append([])
-            rounds[k].append(i)
-        for members in rounds:
-            for how in ("prime", "step"):
-                idx = [i for i in members if produced[i][2][0] == how]
-                if not idx:
-                    continue
-                nodes = [produced[i][0].node for i in idx]
-                x = np.stack([produced[i][2][1] for i in idx])
-                p, traj = (self.predictor.prime if how == "prime" else self.predictor.step)(nodes, x)
-                for j, i in enumerate(idx):
-                    p_out[i], traj_out[i] = float(p[j]), traj[j]
-        return p_out, traj_out
-
-    def _finish(self, produced) -> tuple[list[Tick], list[Alert]]:
+    def _finish(self, produced: list[Scoring]) -> tuple[list[Tick], list[Alert]]:
         if self.predictor is not None and produced:
-            if self.stateful:
-                p_oom, traj = self._score_stateful(produced)
-            else:
-                p_oom, traj = self.predictor.predict(np.stack([w for _, _, w in produced]))
-            produced = [(st, tick.with_prediction(float(p_oom[i]), [float(x) for x in np.asarray(traj[i]).ravel()]), w)
-                        for i, (st, tick, w) in enumerate(produced)]
+            scores = self._score_stateful(produced) if self.stateful else self._score_windows(produced)
+            unscored = 0
+            for i, (st, tick, _) in enumerate(produced):
+                if scores[i] is None:
+                    unscored += 1
+                else:
+                    produced[i] = Scoring(st, tick.with_prediction(*scores[i]), None)
+            self.counters.ticks_unscored += unscored
         ticks, alerts = [], []
         for st, tick, _ in produced:
             ticks.append(tick)
             alerts.extend(st.alerts.evaluate(tick))
         return ticks, alerts
+
+    # ---------------------------------------------------------------- scoring
+    def _score_windows(self, produced: list[Scoring]) -> list[Prediction | None]:
+        """``predict`` over every scorable tick of the call at once (``_score_rows``)."""
+        scores: list[Prediction | None] = [None] * len(produced)
+        rows = [i for i, item in enumerate(produced) if item.window.features is not None]
+        self._log_windowless(produced, rows)
+        if rows:
+            self._score_rows(rows, produced, scores)
+        return scores
+
+    def _score_rows(self, rows: list[int], produced: list[Scoring], scores: list[Prediction | None]) -> None:
+        """Score ``rows`` in one call; when it raises or answers out of shape, node by node, and a
+        failing node tick by tick, so a fault costs only the ticks it is in."""
+        try:
+            out = self._predict(rows, produced)
+        except Exception as err:  # noqa: BLE001 - a fault of the predictor must not stop the stream
+            parts = list(_by_node(produced, rows).values())
+            if len(parts) == 1:
+                parts = [[i] for i in rows] if len(rows) > 1 else []
+            if not parts:
+                self._scoring_failed(produced[rows[0]].state.node, 1, err)
+                return
+            log.warning("predictor raised %s: %s on %d windows; scoring them in %d parts", type(err).__name__,
+                        err, len(rows), len(parts))
+            for part in parts:
+                self._score_rows(part, produced, scores)
+            return
+        for i, score in zip(rows, out):
+            scores[i] = score
+
+    def _predict(self, rows: list[int], produced: list[Scoring]) -> list[Prediction | None]:
+        window_ticks = self.predictor.window_ticks
+        x = np.stack([produced[i].window.features[-window_ticks:] for i in rows])
+        p, traj = self.predictor.predict(x)
+        return self._predictions(rows, produced, p, traj)
+
+    def _score_stateful(self, produced: list[Scoring]) -> list[Prediction | None]:
+        """Prime/step in rounds so each node advances once per call of the predictor, in tick order.
+        A node is primed (from its full window) when it has no predictor state of this NodeState
+        and reset count; a call that raises is retried node by node, each primed afresh (the
+        failed call may have left any of them half-advanced), and a node whose own call raises
+        gets no P(OOM) for that tick and is primed again at its next."""
+        scores: list[Prediction | None] = [None] * len(produced)
+        scorable = [i for i, item in enumerate(produced) if item.window.features is not None]
+        self._log_windowless(produced, scorable)
+        for item in produced:
+            if item.window.features is None:  # a tick the predictor's state did not see: start it over
+                self._primed.pop(item.state.node, None)
+        rounds: list[list[int]] = []
+        seen: dict[str, int] = {}
+        for i in scorable:
+            node = produced[i].state.node
+            k = seen.get(node, 0)
+            seen[node] = k + 1
+            if k == len(rounds):
+                rounds.append([])
+            rounds[k].append(i)
+        for members in rounds:
+            primes = {i for i in members if self._needs_prime(produced[i])}
+            steps = [i for i in members if i not in primes]
+            for how, idx in (("prime", sorted(primes)), ("step", steps)):
+                if idx:
+                    self._stateful_call(how, idx, produced, scores)
+        return scores
+
+    def _needs_prime(self, item: Scoring) -> bool:
+        """Whether the predictor's state of the node must start over for this tick (lost events: a
+        gap, a new epoch or geometry; a NodeState restored from its checkpoint; none yet)."""
+        st, resets = item.state, item.window.resets
+        primed = self._primed.get(st.node)
+        if primed is not None and primed[0] is st and primed[1] == resets:
+            return False
+        if primed is not None:
+            self._forget_predictor_state(st.node)
+        self._primed[st.node] = (st, resets)
+        return True
+
+    def _stateful_call(self, how: str, idx: list[int], produced: list[Scoring],
+                       scores: list[Prediction | None]) -> None:
+        try:
+            out = self._advance(how, idx, produced)
+        except Exception as err:  # noqa: BLE001 - a fault of the predictor must not stop the stream
+            log.warning("predictor %s raised %s: %s for %d nodes; priming them one by one", how,
+                        type(err).__name__, err, len(idx))
+            for i in idx:
+                node = produced[i].state.node
+                self._forget_predictor_state(node)
+                try:
+                    (scores[i],) = self._advance("prime", [i], produced)
+                except Exception as node_err:  # noqa: BLE001 - this node's tick stays without P(OOM)
+                    self._primed.pop(node, None)
+                    self._forget_predictor_state(node)
+                    self._scoring_failed(node, 1, node_err)
+            return
+        for i, score in zip(idx, out):
+            scores[i] = score
+            if score is None:  # a value outside the contract: its state is suspect, start it over
+                self._primed.pop(produced[i].state.node, None)
+
+    def _advance(self, how: str, idx: list[int], produced: list[Scoring]) -> list[Prediction | None]:
+        nodes = [produced[i].state.node for i in idx]
+        if how == "prime":
+            window_ticks = self.predictor.window_ticks
+            x = np.stack([produced[i].window.features[-window_ticks:] for i in idx])
+            p, traj = self.predictor.prime(nodes, x)
+        else:
+            x = np.stack([produced[i].window.features[-1] for i in idx])
+            p, traj = self.predictor.step(nodes, x)
+        return self._predictions(idx, produced, p, traj)
+
+    def _forget_predictor_state(self, node: str) -> None:
+        try:
+            self.predictor.forget(node)
+        except Exception as err:  # noqa: BLE001 - the node is primed afresh anyway
+            log.warning("node %s: predictor forget raised %s: %s", node, type(err).__name__, err)
+
+    def _predictions(self, rows: list[int], produced: list[Scoring], p, traj) -> list[Prediction | None]:
+        """The predictor's answers for ``rows``, each checked against the tick's contract: P(OOM)
+        a finite fraction, the forecast finite. An answer out of shape raises (the call failed);
+        a value outside the contract leaves that tick without P(OOM)."""
+        p = np.asarray(p, dtype=np.float64).reshape(-1)
+        if len(p) != len(rows) or len(traj) != len(rows):
+            raise ValueError(f"predictor answered {len(p)} probabilities and {len(traj)} forecasts "
+                             f"for {len(rows)} windows")
+        out: list[Prediction | None] = []
+        for i, p_oom, forecast in zip(rows, p.tolist(), traj):
+            values = np.asarray(forecast, dtype=np.float64).ravel()
+            if not 0.0 <= p_oom <= 1.0 or not np.isfinite(values).all():
+                self._scoring_failed(produced[i].state.node, 1,
+                                     ValueError(f"P(OOM) {p_oom!r} or its forecast outside the tick's contract"))
+                out.append(None)
+                continue
+            out.append(Prediction(float(p_oom), [float(x) for x in values]))
+        return out
+
+    def _scoring_failed(self, node: str, n_ticks: int, err: Exception) -> None:
+        log.error("node %s: scoring %d tick(s) failed (%s: %s): no P(OOM) for them", node, n_ticks,
+                  type(err).__name__, err)
+
+    def _log_windowless(self, produced: list[Scoring], scorable: list[int]) -> None:
+        if len(scorable) < len(produced):
+            nodes = sorted({item.state.node for item in produced if item.window.features is None})
+            log.warning("%d tick(s) without a feature window get no P(OOM) (nodes %s)",
+                        len(produced) - len(scorable), ", ".join(nodes))
+
+
+def _by_node(produced: list[Scoring], rows: list[int]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for i in rows:
+        out.setdefault(produced[i].state.node, []).append(i)
+    return out
 
 
 def _clock_verdict(batch: EventBatch, clock: int | None, off: OffClock | None,
