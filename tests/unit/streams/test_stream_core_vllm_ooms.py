@@ -89,7 +89,9 @@ def test_the_shipped_predictor_scores_every_tick_of_a_vllm_log_with_ooms_restart
 def test_each_tick_is_scored_on_the_window_ending_at_it_when_one_call_makes_more_ticks_than_the_window():
     class LastRow:
         feature_names, window_ticks = FEATURE_NAMES, 2
-        seen: list[np.ndarray] = []
+
+        def __init__(self):
+            self.seen: list[np.ndarray] = []
 
         def predict(self, windows):
             self.seen.append(windows)
@@ -98,9 +100,10 @@ def test_each_tick_is_scored_on_the_window_ending_at_it_when_one_call_makes_more
     pool = RefPool(small_geometry(64), seed=3)
     for _ in range(600):
         pool.random_op(time_step_ns=200_000_000)  # ~2 minutes: a dozen ticks in one call
-    core = StreamCore(StreamConfig(window_ticks=2), predictor=LastRow())
+    predictor = LastRow()
+    core = StreamCore(StreamConfig(window_ticks=2), predictor=predictor)
     ticks, _ = core.process_many(batches_of(pool.events(), "n", pool.g, []))
-    assert len(ticks) > 4 and len(LastRow.seen) == 1
+    assert len(ticks) > 4 and len(predictor.seen) == 1
     u_kv = [t.u_kv for t in ticks]
     # tick i reads ticks i-1 and i (the first one padded with itself), not the call's last two
     assert [t.u_kv_forecast for t in ticks] == [pytest.approx([u_kv[max(i - 1, 0)], u_kv[i]], abs=1e-6)
