@@ -40,6 +40,10 @@ class StreamConfig:
     # how far one node's event time may jump past its clock before a second batch confirms it; above
     # the producers' snapshot interval (an idle GPU still sends one a minute) and max_idle_ticks' span
     max_ts_skew_s: float = 3600.0
+    # how far an event may run behind its node's clock (its newest event time so far) and still count
+    # as in order; further behind, it is applied all the same and counted in the open tick's
+    # late_events. None: one tick (an unmarked event then lands at most one tick late)
+    max_ts_backwards_s: float | None = None
     max_nodes: int = 10_000  # per-node states held; past it the least recently seen is evicted
     limits: WireLimits = DEFAULT_LIMITS
 
@@ -62,6 +66,9 @@ class StreamConfig:
             raise StreamConfigError("max_nodes", self.max_nodes, ">= 1")
         if not self.max_ts_skew_s >= self.tick_s:
             raise StreamConfigError("max_ts_skew_s", self.max_ts_skew_s, ">= tick_s")
+        if self.max_ts_backwards_s is not None and not 0 <= self.max_ts_backwards_s <= self.max_ts_skew_s:
+            raise StreamConfigError("max_ts_backwards_s", self.max_ts_backwards_s,
+                                    "a number of seconds in [0, max_ts_skew_s], or None for one tick")
 
     @property
     def tick_ns(self) -> int:
@@ -70,6 +77,12 @@ class StreamConfig:
     @property
     def max_ts_skew_ns(self) -> int:
         return int(round(self.max_ts_skew_s * NS_PER_S))
+
+    @property
+    def max_ts_backwards_ns(self) -> int:
+        if self.max_ts_backwards_s is None:
+            return self.tick_ns
+        return int(round(self.max_ts_backwards_s * NS_PER_S))
 
     @classmethod
     def from_settings(cls, streams, predictor=None, **overrides) -> StreamConfig:
@@ -84,7 +97,7 @@ class StreamConfig:
         values = dict(tick_s=streams.tick_s, slope_window_s=streams.slope_window_s, alpha=streams.alpha,
                       beta=streams.beta, thresholds=thresholds,
                       reserved_frac=streams.reserved_frac if "reserved_frac" in explicit else None)
-        for name in ("max_epoch_jump", "max_ts_skew_s", "max_nodes"):
+        for name in ("max_epoch_jump", "max_ts_skew_s", "max_ts_backwards_s", "max_nodes"):
             if hasattr(streams, name):
                 values[name] = getattr(streams, name)
         values["limits"] = WireLimits.from_settings(streams)

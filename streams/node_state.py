@@ -16,6 +16,13 @@ producer restart (its simulated or engine clock may start over): the node starts
 seen, with a fresh mirror, tick clock, slope window, feature history and predictor state, its alert
 timers rebased (counted in ``NodeState.restarts``). An older epoch than an unconfirmed one (seen in
 one batch only) retracts it: the node starts over at the older epoch.
+
+Event time never goes back on the node's clock: an event older than the newest one before it is
+applied in its seq order, in the interval the clock is in. One more than ``max_ts_backwards_s``
+behind (default: one tick) is marked rather than dead-lettered: it is counted in that tick's
+``late_events`` (and ``NodeState.late_events``) and logged, because dropping its batch would leave
+a gap in the mirror, whose state is a fold over every batch. A batch far behind the clock twice in
+a row rebases the clock instead (``streams.admission``).
 """
 
 from __future__ import annotations
@@ -67,6 +74,8 @@ class NodeState:
         self.alerts = AlertEvaluator(default_rules(config.thresholds, with_predictor=with_predictor))
         self._mark = Counts.zero()  # cumulative counters at the last tick
         self.events_since_tick = 0
+        self.late_since_tick = 0  # events of the open interval that ran behind the clock (``_late``)
+        self.late_events = 0  # all such events of the node
         self.duplicates = 0
         self.gaps = 0
         self.skipped_ticks = 0
@@ -97,6 +106,7 @@ class NodeState:
         ts = np.maximum.accumulate(events["ts_ns"])
         if self.max_ts_ns is not None:
             ts = np.maximum(ts, self.max_ts_ns)
+        late = self._late(events["ts_ns"], ts, batch)
         if self.next_boundary_ns is None:
             tick_ns = self.config.tick_ns
             self.next_boundary_ns = (int(ts[0]) // tick_ns + 1) * tick_ns
@@ -107,16 +117,17 @@ class NodeState:
         while start < len(events):
             cut = int(np.searchsorted(ts, self.next_boundary_ns, side="left"))
             if cut >= len(events):
-                self._apply(events, start, len(events), batch, last_snap)
+                self._apply(events, start, len(events), batch, last_snap, late)
                 start = len(events)
                 break
-            self._apply(events, start, cut, batch, last_snap)
+            self._apply(events, start, cut, batch, last_snap, late)
             start = cut
             ticks.extend(self._emit_until(int(ts[cut])))
         self.max_ts_ns = int(ts[-1])
         return ticks
 
-    def _apply(self, events: np.ndarray, start: int, stop: int, batch: EventBatch, last_snap: int) -> None:
+    def _apply(self, events: np.ndarray, start: int, stop: int, batch: EventBatch, last_snap: int,
+               late: np.ndarray | None) -> None:
         if stop <= start:
             return
         state = batch.state if start <= last_snap < stop else None
@@ -125,6 +136,28 @@ class NodeState:
         if oom.size:
             self.last_oom_ns = int(events["ts_ns"][start + int(oom[-1])])
         self.events_since_tick += stop - start
+        if late is not None:
+            self.late_since_tick += int(np.count_nonzero(late[start:stop]))
+
+    def _late(self, raw_ns: np.ndarray, clock_ns: np.ndarray, batch: EventBatch) -> np.ndarray | None:
+        """Which events run more than ``max_ts_backwards_s`` behind the node's clock (its newest
+        event time before them, earlier events of the batch included); None when none does. They
+        are applied in order all the same, in the interval of the node's clock, and counted in that
+        tick's ``late_events``: the mirror's state is a fold over every batch in seq order, so
+        dropping one for its event times would leave a gap in it (the node unsynced until its next
+        snapshot), a worse error than a few events counted one interval late."""
+        floor_ns = int(clock_ns[-1]) - self.config.max_ts_backwards_ns
+        if int(raw_ns.min()) >= floor_ns:  # none behind even the newest clock: the usual batch, no arrays
+            return None
+        late = raw_ns < clock_ns - self.config.max_ts_backwards_ns
+        if not late.any():
+            return None
+        n = int(np.count_nonzero(late))
+        self.late_events += n
+        log.warning("node %s: %d event(s) of batch epoch %d seq %d run up to %.3f s behind the node's clock, more "
+                    "than streams.max_ts_backwards_s: applied in order, counted in the open tick's late_events",
+                    self.node, n, batch.epoch, batch.seq, int((clock_ns - raw_ns).max()) / NS_PER_S)
+        return late
 
     def _check_sequence(self, batch: EventBatch) -> bool:
         if self.epoch is not None and batch.epoch > self.epoch:
@@ -170,7 +203,7 @@ class NodeState:
         self.slope_points.clear()
         self.features = FeatureHistory(self.config.window_ticks)
         self._mark = Counts.zero()
-        self.events_since_tick = 0
+        self.events_since_tick = self.late_since_tick = 0
         self.last_oom_ns = None
         self._rebase_alert_timers()
         self.restarts += 1
@@ -234,10 +267,9 @@ class NodeState:
         self._mark = now
         table = m.request_table()
         slope = self._slope(ts_ns, pm.u_kv)
-        events = self.events_since_tick
-        self.events_since_tick = 0
-        tick = build_tick(self.node, self.epoch or 0, ts_ns, m, table, Interval(counts, events, slope, self.last_oom_ns),
-                          self.config, synced=m.synced)
+        interval = Interval(counts, self.events_since_tick, slope, self.last_oom_ns, self.late_since_tick)
+        self.events_since_tick = self.late_since_tick = 0
+        tick = build_tick(self.node, self.epoch or 0, ts_ns, m, table, interval, self.config, synced=m.synced)
         self.features.push(tick_features(tick))
         if self.score_window_ticks:
             self.windows.append(self._tick_window(ts_ns))
@@ -280,7 +312,8 @@ class NodeState:
             "next_boundary_ns": self.next_boundary_ns, "max_ts_ns": self.max_ts_ns,
             "slope_points": list(self.slope_points), "features_count": self.features.count,
             "alerts": self.alerts.state_list(), "mark": list(self._mark),
-            "events_since_tick": self.events_since_tick, "duplicates": self.duplicates,
+            "events_since_tick": self.events_since_tick, "late_since_tick": self.late_since_tick,
+            "late_events": self.late_events, "duplicates": self.duplicates,
             "gaps": self.gaps, "skipped_ticks": self.skipped_ticks,
             "dropped_without_geometry": self.dropped_without_geometry,
             "last_oom_ns": self.last_oom_ns, "resets": self.resets, "restarts": self.restarts,
@@ -311,6 +344,7 @@ class NodeState:
         st.alerts.load_state_list(h["alerts"])
         st._mark = Counts.of(h["mark"])
         st.events_since_tick = h["events_since_tick"]
+        st.late_since_tick, st.late_events = int(h.get("late_since_tick", 0)), int(h.get("late_events", 0))
         st.duplicates, st.gaps = h["duplicates"], h["gaps"]
         st.skipped_ticks, st.dropped_without_geometry = h["skipped_ticks"], h["dropped_without_geometry"]
         st.last_oom_ns, st.resets = h.get("last_oom_ns"), int(h.get("resets", 0))

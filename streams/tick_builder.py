@@ -3,6 +3,11 @@ the victim candidates the policy picks from.
 
 Pure (numpy + stdlib). ``build_tick`` reads the mirror and changes nothing; the node's own
 bookkeeping (the interval's mark, the slope window, the feature history) is ``NodeState``'s.
+
+Every tick is inside its wire contract (``kvguard.wire.schemas.MetricTick`` with
+``kvguard.wire.validate.check_tick_values``): U_kv, F_ext and F_int are fractions in [0, 1] even
+while the mirror is unsynced (its values are best effort then, and the tick says so with
+``synced`` False), and Ψ is computed from the fractions the tick carries.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class Interval(NamedTuple):
     events: int  # events applied in it
     slope_per_min: float  # U_kv's least-squares slope over the slope window
     last_oom_ns: int | None  # the node's last OOM before the boundary
+    late_events: int = 0  # events applied in it that ran behind the node's clock (``NodeState._late``)
 
 
 def build_tick(node: str, epoch: int, ts_ns: int, m: AllocatorMirror, table: RequestTable, interval: Interval,
@@ -87,17 +93,18 @@ def build_tick(node: str, epoch: int, ts_ns: int, m: AllocatorMirror, table: Req
     logprob_tokens = int(np.maximum(table.prompt_tokens[logprobs] - held_tokens[logprobs], 0).sum())
     since_oom = SINCE_OOM_CAP_S if interval.last_oom_ns is None else min(
         SINCE_OOM_CAP_S, max(0.0, (ts_ns - interval.last_oom_ns) / NS_PER_S))
-    f_ext, psi = pm.f_ext, pm.psi
+    u_kv, f_ext, f_int, psi = _fraction(pm.u_kv), _fraction(pm.f_ext), _fraction(pm.f_int), pm.psi
     if max(g.page_classes) == 1 and not m.kind_counts[K.WS_ALLOC]:
         # uniform blocks (vLLM): any free block serves any request, so the KV layer has no
         # external fragmentation; the allocator layer's is alloc_f_ext
         f_ext = 0.0
-        psi = pressure.psi(pm.live_units, pm.workspace_units, m.units, 0.0, pm.f_int, m.reserved_frac,
+    if (f_ext, f_int) != (pm.f_ext, pm.f_int):
+        psi = pressure.psi(pm.live_units, pm.workspace_units, m.units, f_ext, f_int, m.reserved_frac,
                            cfg.alpha, cfg.beta)
     am = m.allocator.metrics()
     return Tick(
         node=node, ts_ns=ts_ns, epoch=epoch, tick_s=cfg.tick_s, synced=synced,
-        u_kv=pm.u_kv, f_ext=f_ext, f_int=pm.f_int, psi=psi, slope_per_min=interval.slope_per_min,
+        u_kv=u_kv, f_ext=f_ext, f_int=f_int, psi=psi, slope_per_min=interval.slope_per_min,
         live_units=pm.live_units, cached_units=pm.cached_units, retained_units=pm.retained_units,
         workspace_units=pm.workspace_units, free_units=pm.free_units,
         largest_free_run_units=pm.largest_free_run, n_free_runs=pm.n_free_runs,
@@ -124,7 +131,16 @@ def build_tick(node: str, epoch: int, ts_ns: int, m: AllocatorMirror, table: Req
         util_activation=am.allocated_bytes / total,
         util_reserved_unused=(am.reserved_bytes - am.allocated_bytes) / total, unit_bytes=ub,
         logprob_requests_pending=int(logprobs.sum()), logprob_prompt_tokens_pending=logprob_tokens,
+        late_events=interval.late_events,
     )
+
+
+def _fraction(value: float) -> float:
+    """``value`` within [0, 1]. The mirror's fractions leave it only while it is unsynced (a
+    missed event can leave more tokens than live slots, or overlapping runs): the tick then says
+    ``synced`` False and carries the nearest value inside its contract (``MetricTick``), which
+    consumers refuse otherwise."""
+    return min(1.0, max(0.0, value))
 
 
 def candidates(table: RequestTable, holding: np.ndarray, k: int, unit_tokens: int) -> list[Candidate]:
