@@ -631,7 +631,10 @@ def build_app(settings, *, predictor: Predictor | None = None, app_id: str = DEF
     dlq = app.topic(settings.topics.name("dlq"), **raw)
     table = app.Table(TABLE_NAME, default=None, partitions=events_partitions, key_type=bytes, value_type=bytes)
     events_name = events.get_topic_name()
-    worker = StreamsWorker(settings, config or StreamConfig.from_settings(settings.streams, settings.predictor),
+    if config is None:  # the feature history as long as the model reads, as bootstrap's stream core has it
+        window = {} if predictor is None else {"window_ticks": int(predictor.window_ticks)}
+        config = StreamConfig.from_settings(settings.streams, settings.predictor, **window)
+    worker = StreamsWorker(settings, config,
                            predictor, table=table, metrics_topic=metrics, alerts_topic=alerts, dlq_topic=dlq,
                            checkpoint_every_ticks=checkpoint_every_ticks, app_id=app_id,
                            highwater=lambda partition: app.consumer.highwater(TP(events_name, partition)))

@@ -72,11 +72,12 @@ def check_predictor(predictor: Predictor) -> None:
 
 
 def window_from_history(history: np.ndarray, window_ticks: int) -> np.ndarray:
-    """The last ``window_ticks`` rows of ``history`` [t, F], left-padded with its first row."""
+    """The last ``window_ticks`` rows of ``history`` [t, F], left-padded with its first row; always a
+    new array, never a view of ``history`` (a ring buffer's later pushes would overwrite it)."""
     if len(history) == 0:
         raise ValueError("window_from_history needs at least one tick of history")
     if len(history) >= window_ticks:
-        return np.ascontiguousarray(history[-window_ticks:], dtype=np.float32)
+        return np.array(history[-window_ticks:], dtype=np.float32)
     pad = np.repeat(history[:1], window_ticks - len(history), axis=0)
     return np.concatenate([pad, history]).astype(np.float32)
 

@@ -214,6 +214,9 @@ class StreamsSettings(_Section):
     max_epoch_jump: int = Field(1 << 61, gt=0)
     # a node's event time jumping further past its clock is dead-lettered until a later batch confirms it
     max_ts_skew_s: float = Field(3600.0, gt=0)
+    # an event further behind its node's clock is applied all the same and counted in the open tick's
+    # late_events (null: one tick, tick_s)
+    max_ts_backwards_s: float | None = Field(None, ge=0)
     max_nodes: int = Field(10_000, gt=0)
     node_idle_timeout_s: float = Field(3600.0, gt=0)
     # the Faust worker publishes the pending (partial) tick of a node without batches for this

@@ -65,7 +65,8 @@ class Tick:
     weights+context, KV live, KV cached (cached + retained pages), workspace, free units of D,
     and the headroom outside D (M·(1−u)). ``reserved_frac`` is the share of D Ψ treats as reserved
     (``util_reserved`` the same as a fraction of M; it overlaps the free units, not in the sum).
-    ``synced`` is False while the mirror may have missed events (values are best effort then).
+    ``synced`` is False while the mirror may have missed events (values are best effort then, the
+    fractions u_kv, f_ext and f_int kept within [0, 1]).
     On uniform-block KV pools (one unit per block, no workspace in the arena) F_ext of the KV layer
     is 0: any free block serves any request; fragmentation lives in the allocator (``alloc_*``).
     """
@@ -137,6 +138,9 @@ class Tick:
     # compute, and how many positions: logits outside vLLM's profiled peak (issue 13's admission input)
     logprob_requests_pending: int = 0
     logprob_prompt_tokens_pending: int = 0
+    # events of the interval that ran more than streams.max_ts_backwards_s behind the node's clock (its
+    # newest event time before them): applied in order all the same, so counted in this tick, not theirs
+    late_events: int = 0
 
     @property
     def ts_s(self) -> float:

@@ -324,6 +324,7 @@ class MetricTick(WireModel):
     unit_bytes: int = 0
     logprob_requests_pending: int = Field(0, ge=0)
     logprob_prompt_tokens_pending: int = Field(0, ge=0)
+    late_events: int = Field(0, ge=0)
 
     def to_tick(self) -> Tick:
         """The core's tick from this validated record: fields the record does not carry take the
