@@ -525,9 +525,7 @@ def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ti
 
     end_ns = int(spec.duration_s * NS_PER_S)
     step_ns = int(flush_every_s * NS_PER_S)
-    for now in range(step_ns, end_ns + step_ns, step_ns):
-        fleet.advance(now)
-        batches = fleet.take_batches(now)
+    for _, batches in fleet.steps(end_ns, step_ns=step_ns):
         for b in batches:
             oom_rows = b.events["kind"] == EventKind.OOM
             if oom_rows.any():
