@@ -335,7 +335,7 @@ def test_policy_engine_state_is_capped_and_idle_nodes_are_forgotten():
     held = [engine._last_ts, engine._epoch, engine._held, engine._calm, engine.modes._nodes]
     assert all(len(d) <= 10 for d in held), [len(d) for d in held]
     assert engine.counters.nodes_evicted_cap == 290
-    assert len(service._seen_at) <= 10
+    assert len(service.idle_sweep) <= 10
     service.forget_idle(now_s=10**12)
     assert engine._last_ts == {} and engine.counters.nodes_evicted_idle == 10
     assert isinstance(decode("metrics", tick()), MetricTick)
@@ -404,7 +404,7 @@ async def test_the_stream_service_evicts_nodes_idle_past_its_timeout():
         records.append(_record_of(settings, i, batch))
     await service.handle(records)
     assert sorted(service.core.nodes) == ["p", "q"]
-    service._seen_at["p"] -= 120  # p's last batch two minutes ago
+    service.idle_sweep.seen_at["p"] -= 120  # p's last batch two minutes ago
     assert service.evict_idle(time.monotonic()) == ["p"]
     assert sorted(service.core.nodes) == ["q"] and service.counters.nodes_evicted_idle == 1
 
