@@ -90,30 +90,6 @@ class BudgetConfig:
         """Keys live this long after their last write: the week itself plus the retention."""
         return (self.retention_weeks + 1) * WEEK_S
 
-    @classmethod
-    def from_settings(cls, settings: Any, **overrides: Any) -> "BudgetConfig":
-        """Build from kvguard/settings.py's ``Settings`` (its ``budget`` section:
-        minutes_per_week, f_ext_threshold, retention_weeks, key_prefix) or from a bare section.
-        A key prefix gets a trailing ``:`` so keys read ``<prefix>:budget:{week}:…``."""
-        section = getattr(settings, "budget", settings)
-        values: dict[str, Any] = {}
-        minutes = getattr(section, "minutes_per_week", None)
-        if minutes is not None:
-            values["budget_s"] = float(minutes) * 60.0
-        for setting, name in (("f_ext_threshold", "threshold"), ("threshold", "threshold"),
-                              ("budget_s", "budget_s"), ("retention_weeks", "retention_weeks"),
-                              ("key_prefix", "key_prefix"), ("cluster", "cluster"),
-                              ("interval_s", "interval_s"), ("top_intervals", "top_intervals"),
-                              ("buffer_max", "buffer_max")):
-            value = getattr(section, setting, None)
-            if value is not None:
-                values[name] = value
-        prefix = values.get("key_prefix")
-        if prefix and not str(prefix).endswith(":"):
-            values["key_prefix"] = f"{prefix}:"
-        values.update(overrides)
-        return cls(**values)
-
 
 # ----------------------------------------------------------------------------- weeks
 

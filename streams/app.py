@@ -141,6 +141,20 @@ async def ensure_topics(settings, app_id: str = DEFAULT_APP_ID, *, compact_chang
     return result
 
 
+async def broker_reachable(settings) -> None:
+    """Connect an admin client to ``kafka.bootstrap`` and close it; raises what aiokafka raises when
+    no broker answers, so the worker can say so in one line before Faust starts (Faust would log
+    its own traceback)."""
+    # aiokafka's admin client only when the worker checks its broker
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from kvguard.bus.kafka import client_kwargs
+
+    admin = AIOKafkaAdminClient(**client_kwargs(settings.kafka))
+    await admin.start()
+    await admin.close()
+
+
 @dataclass(slots=True)
 class WorkerCounters:
     records: int = 0
@@ -578,10 +592,11 @@ def _app_class(wait_ms: int):
     return App
 
 
-def build_app(settings, *, predictor: Predictor | None = None, app_id: str = DEFAULT_APP_ID,
-              datadir: str | None = None, checkpoint_every_ticks: int = 6, config: StreamConfig | None = None,
-              max_records: int | None = None, max_wait_s: float | None = None):
-    """A configured Faust app and its ``StreamsWorker``. Connects to nothing until started.
+def build_app(settings, *, config: StreamConfig, predictor: Predictor | None = None, app_id: str = DEFAULT_APP_ID,
+              datadir: str | None = None, checkpoint_every_ticks: int = 6, max_records: int | None = None,
+              max_wait_s: float | None = None):
+    """A configured Faust app and its ``StreamsWorker`` over the core's ``config`` (the composition
+    root's, ``Graph.stream_config``). Connects to nothing until started.
     The agent handles up to ``max_records`` records at a time, waiting at most ``max_wait_s``
     (default ``streams.chunk_max_records`` / ``streams.chunk_max_wait_s``); outputs go out with
     the producer linger of ``kafka.linger_ms``. A timer flushes idle nodes (``StreamsWorker.flush_idle``)."""
@@ -619,8 +634,7 @@ def build_app(settings, *, predictor: Predictor | None = None, app_id: str = DEF
     dlq = app.topic(settings.topics.name("dlq"), **raw)
     table = app.Table(TABLE_NAME, default=None, partitions=events_partitions, key_type=bytes, value_type=bytes)
     events_name = events.get_topic_name()
-    worker = StreamsWorker(settings, config or StreamConfig.from_settings(settings.streams, settings.predictor),
-                           predictor, table=table, metrics_topic=metrics, alerts_topic=alerts, dlq_topic=dlq,
+    worker = StreamsWorker(settings, config, predictor, table=table, metrics_topic=metrics, alerts_topic=alerts, dlq_topic=dlq,
                            checkpoint_every_ticks=checkpoint_every_ticks, app_id=app_id,
                            highwater=lambda partition: app.consumer.highwater(TP(events_name, partition)))
 

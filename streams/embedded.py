@@ -75,11 +75,12 @@ class ServiceCounters:
 class StreamsService:
     """The core behind a bus subscription (embedded mode, or Kafka without Faust)."""
 
-    def __init__(self, bus, settings, predictor: Predictor | None = None, *, group: str = "kvguard-streams",
-                 max_records: int = 500, config: StreamConfig | None = None):
+    def __init__(self, bus, settings, predictor: Predictor | None = None, *, config: StreamConfig,
+                 group: str = "kvguard-streams", max_records: int = 500):
+        """``config``: the core's (the composition root's, ``Graph.stream_config``)."""
         self.bus = bus
         self.settings = settings
-        self.core = StreamCore(config or StreamConfig.from_settings(settings.streams, settings.predictor), predictor)
+        self.core = StreamCore(config, predictor)
         self.group = group
         self.max_records = max_records
         self.topics = {k: settings.topics.name(k) for k in ("events", "metrics", "alerts", "dlq")}

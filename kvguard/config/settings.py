@@ -222,6 +222,9 @@ class StreamsSettings(_Section):
 
 
 class PredictorSettings(_Section):
+    # tier 3 (P(OOM)) on by default, with the shipped model unless model_path names another artifact;
+    # false: no predictor (a command's --no-predictor does the same)
+    enabled: bool = True
     model_path: str | None = None
     # used only when set explicitly (file/env); otherwise tier 3 fires at the model's own
     # calibrated threshold, from its metadata

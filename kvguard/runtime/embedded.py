@@ -210,7 +210,7 @@ def ledger_summary(ledger: Any, slo_ledger: Any, redis: str | None) -> tuple[dic
         reachable_error = None
         if redis:
             try:
-                led.weeks()
+                led.ping()
             except Exception as err:  # noqa: BLE001 - LedgerUnavailable names the (masked) URL
                 reachable_error = str(err)
         stats = led.stats().to_dict() if hasattr(led, "stats") else {}
