@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol
 
+from kvguard.contracts.tick import Tick
 from kvguard.contracts.units import NS_PER_S
 
 WEEK_S = 7 * 86_400
@@ -321,7 +322,7 @@ class BudgetLedger(Protocol):
     def debit(self, node: str, ts_ns: int, tick_s: float, f_ext: float,
               cluster: str | None = None) -> DebitResult: ...
 
-    def debit_tick(self, tick: Any, tick_s: float | None = None,
+    def debit_tick(self, tick: Tick, tick_s: float | None = None,
                    cluster: str | None = None) -> DebitResult: ...
 
     def remaining(self, node: str, week: str) -> float: ...
@@ -342,7 +343,7 @@ def tick_week(ts_ns: int) -> str:
     return iso_week(int(ts_ns) - 1)
 
 
-def tick_values(tick: Any, tick_s: float | None) -> tuple[str, int, float, float]:
+def tick_values(tick: Tick, tick_s: float | None) -> tuple[str, int, float, float]:
     """(node, ts_ns, tick_s, f_ext) of a streams Tick (or anything with node, ts_ns, f_ext and,
     unless ``tick_s`` is given, tick_s)."""
     try:
@@ -387,7 +388,7 @@ class LedgerFront:
             return self._result(node, tick_week(ts_ns), counted=False)
         return self.apply(debit)
 
-    def debit_tick(self, tick: Any, tick_s: float | None = None,
+    def debit_tick(self, tick: Tick, tick_s: float | None = None,
                    cluster: str | None = None) -> DebitResult:
         node, ts_ns, seconds, f_ext = tick_values(tick, tick_s)
         return self.debit(node, ts_ns, seconds, f_ext, cluster)

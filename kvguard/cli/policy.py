@@ -47,8 +47,8 @@ def policy(
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     try:
         settings = Settings.load(config)
-        # the SLO's operating threshold is predictor.threshold here (this process loads no model)
-        graph = bootstrap(settings, profile=profile, predictor=None, require_secret=True, insecure_dev=insecure_dev)
+        # the fleet's model, for its operating threshold: the SLO labels predictions where the workers' tier 3 fires
+        graph = bootstrap(settings, profile=profile, require_secret=True, insecure_dev=insecure_dev)
         carrier = graph.make_bus(bus)
         ledger, slo_ledger = (redis_ledgers(settings, redis) if redis
                               else (make_ledger(settings), make_slo_ledger(settings)))

@@ -11,7 +11,7 @@ bus/ledger are only built when asked for.
 
 The predictor: tier 3 runs the shipped model (``predictor.model_path`` to name another,
 ``predictor.enabled = false`` or a command's ``--no-predictor`` for none) at the model's calibrated
-threshold, unless ``predictor.threshold`` is set explicitly.
+threshold, unless ``predictor.threshold`` names one.
 
 Secrets: in multi-process mode (``require_secret``: the policy service, a node with actuators)
 the shared HMAC secret must be at least ``MIN_SECRET_BYTES`` long and not a known placeholder
@@ -92,9 +92,9 @@ class Graph:
 
     def stream_config(self, **overrides: Any) -> StreamConfig:
         """The settings' stream config (``overrides`` win) with tier 3 at the predictor's calibrated
-        threshold unless ``predictor.threshold`` is set explicitly."""
+        threshold unless ``predictor.threshold`` names one."""
         config = stream_config(self.settings, **overrides)
-        if "threshold" not in self.settings.predictor.model_fields_set and self.predictor is not None:
+        if self.settings.predictor.threshold is None and self.predictor is not None:
             config = with_model_threshold(config, self.predictor)
         return config
 
@@ -112,8 +112,8 @@ class Graph:
         """One line on tier 3 as this graph runs it: the model and its operating threshold."""
         if self.predictor is None:
             return self.predictor_note
-        origin = ("predictor.threshold" if "threshold" in self.settings.predictor.model_fields_set
-                  else "the model's calibrated threshold")
+        origin = ("the model's calibrated threshold" if self.settings.predictor.threshold is None
+                  else "predictor.threshold")
         return f"{self.predictor_note}; tier 3 at P(OOM) >= {self.stream_config().thresholds.p_oom:.4f} ({origin})"
 
     # -- policy side ----------------------------------------------------------------------------
@@ -136,7 +136,7 @@ class Graph:
                      ) -> SloRecorder | None:
         """The SLO recorder over ``slo_ledger`` (default: the graph's; None when neither is set).
         Predictions are labelled at the operating threshold: the predictor's calibrated one unless
-        ``predictor.threshold`` is set, the same line the stream's tier-3 alert uses."""
+        ``predictor.threshold`` names one, the same line the stream's tier-3 alert uses."""
         slo_ledger = slo_ledger if slo_ledger is not None else self.slo_ledger
         if slo_ledger is None:
             return None

@@ -46,16 +46,17 @@ def wire_limits(streams: StreamsSettings) -> WireLimits:
 
 def stream_config(settings: Settings, **overrides: Any) -> StreamConfig:
     """The stream core's config from ``streams`` and ``predictor``; ``overrides`` win (a command's
-    ``--tick``). Tier 3 fires at ``predictor.threshold`` here; the composition root puts the loaded
-    model's calibrated threshold in its place unless the threshold was set explicitly. ``reserved_frac``
+    ``--tick``). Tier 3 fires at ``predictor.threshold``; when that is null, the composition root puts
+    the loaded model's calibrated threshold in (without a model: the core's default). ``reserved_frac``
     is taken only when it was set explicitly (file/env): by default each GPU's geometry decides, so
     Ψ stays equal to the pool's own."""
     streams = settings.streams
+    p_oom = settings.predictor.threshold
     thresholds = AlertThresholds(
         u_kv_warning=streams.u_kv_warning, u_kv_critical=streams.u_kv_critical, psi_critical=streams.psi_critical,
         threshold_for_s=streams.threshold_for_s, slope_per_min=streams.slope_per_min,
         slope_for_s=streams.slope_for_s, frag_u_kv=streams.frag_u_kv, frag_f_ext=streams.frag_f_ext,
-        frag_for_s=streams.frag_for_s, p_oom=settings.predictor.threshold, lstm_for_s=streams.lstm_for_s,
+        frag_for_s=streams.frag_for_s, p_oom=AlertThresholds().p_oom if p_oom is None else p_oom, lstm_for_s=streams.lstm_for_s,
         resolve_for_s=streams.resolve_for_s)
     values: dict[str, Any] = dict(
         tick_s=streams.tick_s, slope_window_s=streams.slope_window_s, alpha=streams.alpha, beta=streams.beta,

@@ -183,7 +183,11 @@ def test_the_deployed_worker_runs_the_shipped_predictor_at_its_calibrated_thresh
     graph = bootstrap(Settings.load(DEPLOY / "kvguard.toml", env={}))  # the worker's default
     calibrated = json.loads((SHIPPED_DIR / "oom_trees.json").read_text())["threshold"]
     assert graph.predictor is not None, graph.predictor_note
-    assert graph.core_config().thresholds.p_oom == calibrated != Settings().predictor.threshold
+    assert graph.core_config().thresholds.p_oom == calibrated
+    # the policy builds the same graph: its SLO labels predictions where the workers' tier 3 fires
+    from kvguard.policy.slo import MemorySloLedger
+
+    assert graph.slo_recorder(MemorySloLedger()).threshold == calibrated
 
 
 def test_strimzi_topics_match_the_settings_and_compact_the_changelog():
