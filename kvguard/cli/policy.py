@@ -71,7 +71,8 @@ def policy(
             raise BrokerUnreachable(broker_unreachable(settings.kafka.bootstrap if not bus else
                                                        bus.removeprefix("kafka://"), err)) from None
         typer.echo(f"kvguard policy: {settings.topics.name('metrics')} -> {settings.topics.name('commands')} "
-                   f"({'redis' if redis else 'memory'} budget ledger)", err=True)
+                   f"({'redis' if redis else 'memory'} budget ledger; SLO predictions at P(OOM) >= "
+                   f"{service.slo.threshold:.4f})", err=True)
         try:
             await service.run(group=group, stop=stop)
         finally:

@@ -56,8 +56,11 @@ def worker(
     except (ConfigError, BootstrapError) as exc:
         typer.echo(f"config error: {exc}", err=True)
         raise typer.Exit(2) from None
-    if model is not None and graph.predictor is None:
-        typer.echo(f"error: --model: {graph.predictor_note}", err=True)
+    if graph.predictor is None and (model is not None or (settings.predictor.enabled and not no_predictor)):
+        # asked for and not loaded: a worker must not run on without the tier it was deployed with
+        source = "--model" if model is not None else "predictor.model_path" if settings.predictor.model_path else \
+            "the shipped model"
+        typer.echo(f"error: {source}: {graph.predictor_note}", err=True)
         raise typer.Exit(2)
 
     from faust import Worker
@@ -79,8 +82,10 @@ def worker(
             else:
                 loop.run_until_complete(broker_reachable(settings))
     except Exception as exc:  # connection refused, auth, broker error: name the broker, in one line
-        typer.echo(f"could not create topics on {settings.kafka.bootstrap}: {type(exc).__name__}: {exc}"
-                   if create_topics else broker_unreachable(settings.kafka.bootstrap, exc, "--bootstrap HOST:PORT"), err=True)
+        if create_topics:
+            typer.echo(f"could not create topics on {settings.kafka.bootstrap}: {type(exc).__name__}: {exc}", err=True)
+        else:
+            typer.echo(broker_unreachable(settings.kafka.bootstrap, exc, "--bootstrap HOST:PORT"), err=True)
         raise typer.Exit(1) from None
     faust_app, _ = build_app(settings, config=stream_config, predictor=graph.predictor, app_id=app_id,
                              datadir=str(datadir) if datadir else None,

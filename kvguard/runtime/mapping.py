@@ -56,8 +56,8 @@ def stream_config(settings: Settings, **overrides: Any) -> StreamConfig:
         u_kv_warning=streams.u_kv_warning, u_kv_critical=streams.u_kv_critical, psi_critical=streams.psi_critical,
         threshold_for_s=streams.threshold_for_s, slope_per_min=streams.slope_per_min,
         slope_for_s=streams.slope_for_s, frag_u_kv=streams.frag_u_kv, frag_f_ext=streams.frag_f_ext,
-        frag_for_s=streams.frag_for_s, p_oom=AlertThresholds().p_oom if p_oom is None else p_oom, lstm_for_s=streams.lstm_for_s,
-        resolve_for_s=streams.resolve_for_s)
+        frag_for_s=streams.frag_for_s, p_oom=AlertThresholds().p_oom if p_oom is None else p_oom,
+        lstm_for_s=streams.lstm_for_s, resolve_for_s=streams.resolve_for_s)
     values: dict[str, Any] = dict(
         tick_s=streams.tick_s, slope_window_s=streams.slope_window_s, alpha=streams.alpha, beta=streams.beta,
         reserved_frac=streams.reserved_frac if "reserved_frac" in streams.model_fields_set else None,

@@ -89,8 +89,8 @@ def start_for(plugin: Any, settings: Settings | None = None, bus: Bus | None = N
             if not plugin.config.bootstrap:
                 log.info("kvguard: no KVGUARD_BOOTSTRAP: %s executes no commands", plugin.node)
                 return None
-            overrides = {} if plugin.config.bootstrap == "settings" else {"kafka": {"bootstrap": plugin.config.bootstrap}}
-            settings = Settings.load(overrides=overrides)
+            address = plugin.config.bootstrap
+            settings = Settings.load(overrides={} if address == "settings" else {"kafka": {"bootstrap": address}})
         graph = bootstrap(settings, predictor=None, require_secret=True)
         bus = bus if bus is not None else graph.make_bus()
     except (BootstrapError, ConfigError) as err:
