@@ -31,11 +31,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(MAKE) --no-print-directory torch
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev,ml,reports]"
 	$(VLLM_INSTALL)
 	touch $(STAMP)
 
-# torch first, so kvguard's own `torch` requirement finds it installed.
+# torch first, so the `ml` extra's `torch` requirement (the tests install it) finds it installed.
 torch:
 	@case "$(TORCH_VARIANT)" in \
 	  auto) if $(BIN)/pip install --quiet --dry-run --no-deps --no-index "torch==$(TORCH_VERSION)" >/dev/null 2>&1; \

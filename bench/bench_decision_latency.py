@@ -103,9 +103,10 @@ async def run(opts, bootstrap: str, work: Path) -> dict:
     policy_task = asyncio.create_task(policy.run(group=f"{prefix}policy", stop=policy_stop, poll_s=0.01))
     stream_task = None
     if opts.streams == "service":
+        from kvguard.runtime.mapping import stream_config
         from kvguard.streams.embedded import StreamsService
 
-        service = StreamsService(bus, settings, group=f"{prefix}streams")
+        service = StreamsService(bus, settings, config=stream_config(settings), group=f"{prefix}streams")
         stream_task = asyncio.create_task(service.run())
     await asyncio.sleep(6.0)  # consumer groups join (Tansu answers JoinGroup after ~session/2)
     wl = demo_workload(graph.profile, workload="mixed", rate_scale=opts.rate_scale, duration_s=opts.seconds, seed=0)

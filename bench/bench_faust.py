@@ -82,10 +82,11 @@ async def raw_consume(settings, n_records: int) -> tuple[float, int]:
 
 
 async def faust_consume(settings, n_records: int, app_id: str) -> tuple[float, float, dict]:
+    from kvguard.runtime.mapping import stream_config
     from kvguard.streams.app import build_app, ensure_topics
 
     await ensure_topics(settings, app_id)
-    app, worker = build_app(settings, app_id=app_id)
+    app, worker = build_app(settings, config=stream_config(settings), app_id=app_id)
     await app.start()
     try:
         first = None

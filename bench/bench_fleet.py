@@ -64,7 +64,8 @@ from kvguard.producers.sim.fleet import Fleet
 from kvguard.producers.sim.profiles import load_profile
 from kvguard.producers.sim.workloads import load_workload
 from kvguard.runtime.bootstrap import engine_config_from
-from kvguard.streams.core import StreamConfig, StreamCore
+from kvguard.runtime.mapping import stream_config
+from kvguard.streams.core import StreamCore
 from kvguard.wire.schemas import decode_batch, encode_batch
 
 # the recording: per second of event time, the recorded GPUs' batches as wire bytes (None: no
@@ -130,7 +131,7 @@ class Worker:
 
     def __init__(self, nodes: list[tuple[int, str]], args: argparse.Namespace):
         settings = Settings.load(env={})
-        self.core = StreamCore(StreamConfig.from_settings(settings.streams, settings.predictor))
+        self.core = StreamCore(stream_config(settings))
         self.engine = policy_engine(args.profile)
         self.chunk = args.chunk
         self.stream = fleet_stream(nodes, args.gpus, args.record_gpus)

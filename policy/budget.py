@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol
 
+from kvguard.contracts.tick import Tick
 from kvguard.contracts.units import NS_PER_S
 
 WEEK_S = 7 * 86_400
@@ -89,30 +90,6 @@ class BudgetConfig:
     def retention_s(self) -> int:
         """Keys live this long after their last write: the week itself plus the retention."""
         return (self.retention_weeks + 1) * WEEK_S
-
-    @classmethod
-    def from_settings(cls, settings: Any, **overrides: Any) -> "BudgetConfig":
-        """Build from kvguard/settings.py's ``Settings`` (its ``budget`` section:
-        minutes_per_week, f_ext_threshold, retention_weeks, key_prefix) or from a bare section.
-        A key prefix gets a trailing ``:`` so keys read ``<prefix>:budget:{week}:…``."""
-        section = getattr(settings, "budget", settings)
-        values: dict[str, Any] = {}
-        minutes = getattr(section, "minutes_per_week", None)
-        if minutes is not None:
-            values["budget_s"] = float(minutes) * 60.0
-        for setting, name in (("f_ext_threshold", "threshold"), ("threshold", "threshold"),
-                              ("budget_s", "budget_s"), ("retention_weeks", "retention_weeks"),
-                              ("key_prefix", "key_prefix"), ("cluster", "cluster"),
-                              ("interval_s", "interval_s"), ("top_intervals", "top_intervals"),
-                              ("buffer_max", "buffer_max")):
-            value = getattr(section, setting, None)
-            if value is not None:
-                values[name] = value
-        prefix = values.get("key_prefix")
-        if prefix and not str(prefix).endswith(":"):
-            values["key_prefix"] = f"{prefix}:"
-        values.update(overrides)
-        return cls(**values)
 
 
 # ----------------------------------------------------------------------------- weeks
@@ -345,7 +322,7 @@ class BudgetLedger(Protocol):
     def debit(self, node: str, ts_ns: int, tick_s: float, f_ext: float,
               cluster: str | None = None) -> DebitResult: ...
 
-    def debit_tick(self, tick: Any, tick_s: float | None = None,
+    def debit_tick(self, tick: Tick, tick_s: float | None = None,
                    cluster: str | None = None) -> DebitResult: ...
 
     def remaining(self, node: str, week: str) -> float: ...
@@ -366,7 +343,7 @@ def tick_week(ts_ns: int) -> str:
     return iso_week(int(ts_ns) - 1)
 
 
-def tick_values(tick: Any, tick_s: float | None) -> tuple[str, int, float, float]:
+def tick_values(tick: Tick, tick_s: float | None) -> tuple[str, int, float, float]:
     """(node, ts_ns, tick_s, f_ext) of a streams Tick (or anything with node, ts_ns, f_ext and,
     unless ``tick_s`` is given, tick_s)."""
     try:
@@ -411,7 +388,7 @@ class LedgerFront:
             return self._result(node, tick_week(ts_ns), counted=False)
         return self.apply(debit)
 
-    def debit_tick(self, tick: Any, tick_s: float | None = None,
+    def debit_tick(self, tick: Tick, tick_s: float | None = None,
                    cluster: str | None = None) -> DebitResult:
         node, ts_ns, seconds, f_ext = tick_values(tick, tick_s)
         return self.debit(node, ts_ns, seconds, f_ext, cluster)

@@ -36,7 +36,6 @@ import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
-from urllib.parse import quote
 
 import redis
 import redis.exceptions as rex
@@ -140,21 +139,6 @@ def connect(url: str, *, socket_timeout_s: float = 1.0, connect_timeout_s: float
     if ssl_ca_certs and url.startswith("rediss://"):
         kwargs["ssl_ca_certs"] = ssl_ca_certs
     return redis.Redis.from_url(url, **kwargs)
-
-
-def url_from_settings(section: Any) -> tuple[str, dict[str, Any]]:
-    """(url, connect options) from a settings ``redis`` section: ``password`` goes into the URL
-    when the URL has none, ``tls`` turns ``redis://`` into ``rediss://``, ``ssl_cafile`` is the
-    CA bundle for TLS."""
-    url = str(section.url)
-    if getattr(section, "tls", False) and url.startswith("redis://"):
-        url = "rediss://" + url[len("redis://"):]
-    password = getattr(section, "password", None)
-    scheme, _, rest = url.partition("://")
-    if password and "@" not in rest:
-        url = f"{scheme}://:{quote(password, safe='')}@{rest}"
-    cafile = getattr(section, "ssl_cafile", None)
-    return url, ({"ssl_ca_certs": str(cafile)} if cafile else {})
 
 
 @dataclass(slots=True, frozen=True)
@@ -400,6 +384,10 @@ class RedisBudgetLedger(LedgerFront):
         return WeekStatus(week=week, budget_s=self.config.budget_s,
                           interval_s=self.config.interval_s, nodes=rows,
                           clusters={c: int(ms) / 1000 for c, ms in clusters.items()})
+
+    def ping(self) -> None:
+        """``LedgerUnavailable`` naming the (masked) URL when Redis does not answer."""
+        self.store.read(lambda r: r.ping())
 
     def weeks(self) -> list[str]:
         prefix = re.sub(r"([*?\[\]\\])", r"\\\1", self.config.key_prefix)

@@ -41,6 +41,7 @@ import orjson
 
 from kvguard.bus.deliver import deliver_all
 from kvguard.bus.dlq import RecordDecoder
+from kvguard.bus.idle import IdleSweep
 from kvguard.contracts.commands import Action, Command, Mode
 from kvguard.contracts.events import EventKind, Outcome
 from kvguard.contracts.tick import Tick
@@ -84,7 +85,8 @@ class PolicyService:
         self.errors = 0  # ticks whose handling raised (dead-lettered by ``run``)
         self.rejected = 0  # ticks the engine rejected (epoch jump; dead-lettered by ``run``)
         self.nodes_forgotten = 0  # nodes dropped after the idle timeout
-        self._seen_at: dict[str, float] = {}  # node -> wall (monotonic) time of its last tick in ``run``
+        self.idle_sweep = IdleSweep(  # the nodes' last ticks in ``run``, wall (monotonic) time
+            settings.policy.node_idle_timeout_s, now_s=time.monotonic())
         self._budget_down = False
         self._warned_priority: set[str] = set()
 
@@ -166,7 +168,6 @@ class PolicyService:
         decoder = RecordDecoder(self.bus, self.settings.topics.name("dlq"), component="policy", group=group)
         self.decoder = decoder
         subscription = self.bus.subscribe([self.settings.topics.name("metrics")], group)
-        next_sweep = time.monotonic() + _SWEEP_S
         try:
             while stop is None or not stop.is_set():
                 records = await subscription.getmany(max_records=512, timeout_s=poll_s)
@@ -190,9 +191,8 @@ class PolicyService:
                     pending += self.messages(out)
                     if on_output is not None:
                         on_output(out)
-                if time.monotonic() >= next_sweep:
+                if self.idle_sweep.due(time.monotonic()):
                     self.forget_idle(time.monotonic())
-                    next_sweep = time.monotonic() + _SWEEP_S
                 if not await deliver_all(self.bus, pending, stop=stop, label="policy"):
                     break  # stopping mid-outage: leave the batch uncommitted
                 if records:
@@ -203,11 +203,8 @@ class PolicyService:
 
     def _seen(self, node: str) -> None:
         """Note a node's tick (wall time); the table is bounded like the engine's state."""
-        self._seen_at.pop(node, None)
-        self._seen_at[node] = time.monotonic()
-        while len(self._seen_at) > self.engine.config.max_nodes:
-            oldest = next(iter(self._seen_at))
-            del self._seen_at[oldest]
+        self.idle_sweep.seen(node, time.monotonic())
+        for oldest in self.idle_sweep.over(self.engine.config.max_nodes):
             self._warned_priority.discard(oldest)
             if self.slo is not None:
                 self.slo.forget(oldest)
@@ -215,21 +212,16 @@ class PolicyService:
     def forget_idle(self, now_s: float) -> list[str]:
         """Forget the nodes whose last tick (in ``run``) is older than ``policy.node_idle_timeout_s``
         at the monotonic time ``now_s``; returns them."""
-        timeout_s = float(getattr(self.settings.policy, "node_idle_timeout_s", 3600.0))
-        idle = [node for node, seen in self._seen_at.items() if now_s - seen > timeout_s]
+        idle = self.idle_sweep.sweep(now_s)
         for node in idle:
-            del self._seen_at[node]
             self.engine.forget(node)
             self._warned_priority.discard(node)
             if self.slo is not None:
                 self.slo.forget(node)
             self.nodes_forgotten += 1
         if idle:
-            log.info("policy: forgot %d node(s) idle for more than %g s", len(idle), timeout_s)
+            log.info("policy: forgot %d node(s) idle for more than %g s", len(idle), self.idle_sweep.timeout_s)
         return idle
-
-
-_SWEEP_S = 30.0  # how often ``run`` looks for idle nodes (wall seconds)
 
 
 def mode_alert(change: ModeChange) -> dict:

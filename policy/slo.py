@@ -65,23 +65,6 @@ class SloConfig:
     def retention_s(self) -> int:
         return (self.retention_weeks + 1) * 7 * 86_400
 
-    @classmethod
-    def from_settings(cls, settings: Any, **overrides: Any) -> "SloConfig":
-        """Shares the budget's key prefix and retention (kvguard/settings.py ``budget``) and the
-        predictor's horizon."""
-        budget = getattr(settings, "budget", None)
-        values: dict[str, Any] = {}
-        prefix = getattr(budget, "key_prefix", None)
-        if prefix:
-            values["key_prefix"] = prefix if prefix.endswith(":") else f"{prefix}:"
-        if getattr(budget, "retention_weeks", None):
-            values["retention_weeks"] = budget.retention_weeks
-        horizon = getattr(getattr(settings, "predictor", None), "horizon_s", None)
-        if horizon:
-            values["horizon_s"] = horizon
-        values.update(overrides)
-        return cls(**values)
-
 
 def check_tier(tier: str) -> str:
     if not tier or not tier.replace("_", "").isalnum() or "|" in tier:

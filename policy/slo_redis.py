@@ -224,6 +224,10 @@ class RedisSloLedger:
                          failed=states.count(FAILED), recall_target=self.config.recall_target,
                          fpr_target=self.config.fpr_target)
 
+    def ping(self) -> None:
+        """``LedgerUnavailable`` naming the (masked) URL when Redis does not answer."""
+        self.store.read(lambda r: r.ping())
+
     def weeks(self) -> list[str]:
         pattern = f"{_glob_escape(self.config.key_prefix)}slo:{{*}}:*"
         found = self.store.read(lambda r: list(r.scan_iter(match=pattern, count=1000)))

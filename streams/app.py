@@ -72,6 +72,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from kvguard.bus.idle import IdleSweep
 from kvguard.streams.core import NodeState, StreamConfig, StreamCore
 from kvguard.streams.outputs import output_records
 from kvguard.streams.predictor import Predictor
@@ -140,6 +141,20 @@ async def ensure_topics(settings, app_id: str = DEFAULT_APP_ID, *, compact_chang
     return result
 
 
+async def broker_reachable(settings) -> None:
+    """Connect an admin client to ``kafka.bootstrap`` and close it; raises what aiokafka raises when
+    no broker answers, so the worker can say so in one line before Faust starts (Faust would log
+    its own traceback)."""
+    # aiokafka's admin client only when the worker checks its broker
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from kvguard.bus.kafka import client_kwargs
+
+    admin = AIOKafkaAdminClient(**client_kwargs(settings.kafka))
+    await admin.start()
+    await admin.close()
+
+
 @dataclass(slots=True)
 class WorkerCounters:
     records: int = 0
@@ -196,10 +211,8 @@ class StreamsWorker:
         self.checkpointed: set[str] = set()
         self.in_flight: list = []
         self.counters = WorkerCounters()
-        self.idle_timeout_s = float(getattr(settings.streams, "node_idle_timeout_s", 3600.0))
-        self.seen_at: dict[str, float] = {}  # node -> monotonic time of its last batch, oldest first
         self.clock = clock
-        self._next_sweep = clock() + _SWEEP_S
+        self.idle_sweep = IdleSweep(settings.streams.node_idle_timeout_s, now_s=clock())
         self.idle_flush_s = idle_flush_s(settings, config)
         self.highwater = highwater
         self.handled_offset: dict[int, int] = {}  # events partition -> offset of the last record handled
@@ -238,7 +251,7 @@ class StreamsWorker:
                           message.partition, message.offset, type(err).__name__, err, exc_info=err)
                 await self.dead_letter(message, value, headers, "processing_error", f"{type(err).__name__}: {err}")
             await self._drop_evicted(due)
-        if self.clock() >= self._next_sweep:
+        if self.idle_sweep.due(self.clock()):
             await self.evict_idle(self.clock(), due)
         await self._send(ticks, alerts, due)
 
@@ -259,7 +272,7 @@ class StreamsWorker:
             ticks, alerts = finish_nodes(self.core, self._idle_pending(now_s))
             due = {t.node: self.partition_of[t.node] for t in ticks if t.node in self.partition_of}
             self.counters.idle_flushes += len(ticks)
-            if now_s >= self._next_sweep:
+            if self.idle_sweep.due(now_s):
                 await self.evict_idle(now_s, due)
             await self._send(ticks, alerts, due)
         if ticks:
@@ -270,9 +283,7 @@ class StreamsWorker:
         """Nodes idle for ``idle_flush_s`` with events since their last tick, whose partition the
         worker has handled up to its high watermark."""
         nodes = []
-        for node, seen in self.seen_at.items():  # oldest first
-            if now_s - seen < self.idle_flush_s:
-                break
+        for node in self.idle_sweep.silent_for(now_s, self.idle_flush_s):
             st = self.core.nodes.get(node)
             if st is None or st.events_since_tick == 0:
                 continue
@@ -296,8 +307,7 @@ class StreamsWorker:
     async def _handle_batch(self, batch, message, value, headers, ticks, alerts, due) -> None:
         node = batch.node
         self.partition_of[node] = message.partition
-        self.seen_at.pop(node, None)
-        self.seen_at[node] = self.clock()
+        self.idle_sweep.seen(node, self.clock())
         st = self.core.nodes.get(node)
         if st is None:
             st = self.restore(node)
@@ -323,7 +333,7 @@ class StreamsWorker:
         """Forget the worker's bookkeeping of nodes the core evicted, and delete their checkpoints."""
         for node in self.core.take_evicted():
             partition = self.partition_of.pop(node, None)
-            self.seen_at.pop(node, None)
+            self.idle_sweep.forget(node)
             self.last_offset.pop(node, None)
             self.ticks_since_checkpoint.pop(node, None)
             due.pop(node, None)
@@ -337,8 +347,7 @@ class StreamsWorker:
 
     async def evict_idle(self, now_s: float, due: dict[str, int] | None = None) -> list[str]:
         """Evict nodes without batches for ``streams.node_idle_timeout_s`` at monotonic ``now_s``."""
-        self._next_sweep = now_s + _SWEEP_S
-        idle = [node for node, seen in self.seen_at.items() if now_s - seen > self.idle_timeout_s]
+        idle = self.idle_sweep.sweep(now_s)
         for node in idle:
             self.core.forget(node)
         await self._drop_evicted({} if due is None else due)
@@ -446,7 +455,7 @@ class StreamsWorker:
             self.last_offset.pop(node, None)
             self.checkpointed.discard(node)
             self.ticks_since_checkpoint.pop(node, None)
-            self.seen_at.pop(node, None)
+            self.idle_sweep.forget(node)
             self.counters.nodes_dropped += 1
 
     async def dead_letter(self, message, value: bytes, headers, reason: str, detail: str) -> None:
@@ -469,18 +478,11 @@ class StreamsWorker:
                       message.offset, reason, exc)
 
 
-_SWEEP_S = 30.0  # how often the worker looks for idle nodes (wall seconds)
-
-
 def idle_flush_s(settings, config: StreamConfig) -> float:
     """Wall seconds without batches after which a node's pending tick is flushed:
     ``streams.idle_flush_s``, else two ticks."""
-    value = getattr(settings.streams, "idle_flush_s", None)
-    if value is None:
-        return 2 * config.tick_s
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"streams.idle_flush_s: must be a number of seconds > 0, got {value!r}")
-    return float(value)
+    value = settings.streams.idle_flush_s
+    return 2 * config.tick_s if value is None else float(value)
 
 
 def finish_nodes(core: StreamCore, nodes: list[str]) -> tuple[list, list]:
@@ -590,10 +592,11 @@ def _app_class(wait_ms: int):
     return App
 
 
-def build_app(settings, *, predictor: Predictor | None = None, app_id: str = DEFAULT_APP_ID,
-              datadir: str | None = None, checkpoint_every_ticks: int = 6, config: StreamConfig | None = None,
-              max_records: int | None = None, max_wait_s: float | None = None):
-    """A configured Faust app and its ``StreamsWorker``. Connects to nothing until started.
+def build_app(settings, *, config: StreamConfig, predictor: Predictor | None = None, app_id: str = DEFAULT_APP_ID,
+              datadir: str | None = None, checkpoint_every_ticks: int = 6, max_records: int | None = None,
+              max_wait_s: float | None = None):
+    """A configured Faust app and its ``StreamsWorker`` over the core's ``config`` (the composition
+    root's, ``Graph.stream_config``). Connects to nothing until started.
     The agent handles up to ``max_records`` records at a time, waiting at most ``max_wait_s``
     (default ``streams.chunk_max_records`` / ``streams.chunk_max_wait_s``); outputs go out with
     the producer linger of ``kafka.linger_ms``. A timer flushes idle nodes (``StreamsWorker.flush_idle``)."""
@@ -631,11 +634,7 @@ def build_app(settings, *, predictor: Predictor | None = None, app_id: str = DEF
     dlq = app.topic(settings.topics.name("dlq"), **raw)
     table = app.Table(TABLE_NAME, default=None, partitions=events_partitions, key_type=bytes, value_type=bytes)
     events_name = events.get_topic_name()
-    if config is None:  # the feature history as long as the model reads, as bootstrap's stream core has it
-        window = {} if predictor is None else {"window_ticks": int(predictor.window_ticks)}
-        config = StreamConfig.from_settings(settings.streams, settings.predictor, **window)
-    worker = StreamsWorker(settings, config,
-                           predictor, table=table, metrics_topic=metrics, alerts_topic=alerts, dlq_topic=dlq,
+    worker = StreamsWorker(settings, config, predictor, table=table, metrics_topic=metrics, alerts_topic=alerts, dlq_topic=dlq,
                            checkpoint_every_ticks=checkpoint_every_ticks, app_id=app_id,
                            highwater=lambda partition: app.consumer.highwater(TP(events_name, partition)))
 

@@ -1,7 +1,6 @@
 """The stream core's configuration: ``StreamConfig`` and its checks, each naming the field it refuses.
 
-Pure: ``from_settings`` reads ``kvguard.config.settings`` sections by attribute, so the
-core stays free of pydantic.
+Pure; ``kvguard.runtime.mapping.stream_config`` maps the settings onto it.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ class StreamConfigError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class StreamConfig:
-    """Everything the core needs; ``kvguard.config.settings`` maps onto it."""
+    """Everything the core needs; ``kvguard.runtime.mapping.stream_config`` maps the settings onto it."""
 
     tick_s: float = 10.0
     slope_window_s: float = 300.0
@@ -83,23 +82,3 @@ class StreamConfig:
         if self.max_ts_backwards_s is None:
             return self.tick_ns
         return int(round(self.max_ts_backwards_s * NS_PER_S))
-
-    @classmethod
-    def from_settings(cls, streams, predictor=None, **overrides) -> StreamConfig:
-        """Map ``kvguard.config.settings`` sections (``settings.streams``, ``settings.predictor``) onto the
-        core's config; read by attribute, so the core stays free of pydantic. ``reserved_frac`` is
-        taken only when it was set explicitly (file/env): by default each GPU's geometry decides,
-        so Ψ stays equal to the pool's own."""
-        names = {f for f in AlertThresholds.__dataclass_fields__ if f != "p_oom"}
-        thresholds = AlertThresholds(**{n: getattr(streams, n) for n in names},
-                                     p_oom=getattr(predictor, "threshold", AlertThresholds.p_oom))
-        explicit = getattr(streams, "model_fields_set", {"reserved_frac"})
-        values = dict(tick_s=streams.tick_s, slope_window_s=streams.slope_window_s, alpha=streams.alpha,
-                      beta=streams.beta, thresholds=thresholds,
-                      reserved_frac=streams.reserved_frac if "reserved_frac" in explicit else None)
-        for name in ("max_epoch_jump", "max_ts_skew_s", "max_ts_backwards_s", "max_nodes"):
-            if hasattr(streams, name):
-                values[name] = getattr(streams, name)
-        values["limits"] = WireLimits.from_settings(streams)
-        values.update(overrides)
-        return cls(**values)

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvguard.bus.dlq import RecordDecoder
+from kvguard.bus.idle import IdleSweep
 from kvguard.contracts.tick import Tick
 from kvguard.streams.alerts import Alert
 from kvguard.streams.core import StreamConfig, StreamCore
@@ -71,26 +72,22 @@ class ServiceCounters:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
-_SWEEP_S = 30.0  # how often the service looks for idle nodes (wall seconds)
-
-
 class StreamsService:
     """The core behind a bus subscription (embedded mode, or Kafka without Faust)."""
 
-    def __init__(self, bus, settings, predictor: Predictor | None = None, *, group: str = "kvguard-streams",
-                 max_records: int = 500, config: StreamConfig | None = None):
+    def __init__(self, bus, settings, predictor: Predictor | None = None, *, config: StreamConfig,
+                 group: str = "kvguard-streams", max_records: int = 500):
+        """``config``: the core's (the composition root's, ``Graph.stream_config``)."""
         self.bus = bus
         self.settings = settings
-        self.core = StreamCore(config or StreamConfig.from_settings(settings.streams, settings.predictor), predictor)
+        self.core = StreamCore(config, predictor)
         self.group = group
         self.max_records = max_records
         self.topics = {k: settings.topics.name(k) for k in ("events", "metrics", "alerts", "dlq")}
         self.decoder = RecordDecoder(bus, self.topics["dlq"], component="streams", group=group,
                                      limits=self.core.config.limits)
         self.counters = ServiceCounters()
-        self.idle_timeout_s = float(getattr(settings.streams, "node_idle_timeout_s", 3600.0))
-        self._seen_at: dict[str, float] = {}  # node -> monotonic time of its last batch
-        self._next_sweep = time.monotonic() + _SWEEP_S
+        self.idle_sweep = IdleSweep(settings.streams.node_idle_timeout_s, now_s=time.monotonic())
         self._stopping = asyncio.Event()
 
     def stop(self) -> None:
@@ -148,19 +145,16 @@ class StreamsService:
     def _note_seen(self, batches) -> None:
         now = time.monotonic()
         for batch in batches:
-            self._seen_at.pop(batch.node, None)
-            self._seen_at[batch.node] = now
+            self.idle_sweep.seen(batch.node, now)
         for node in self.core.take_evicted():  # by the core's cap
-            self._seen_at.pop(node, None)
-        if now >= self._next_sweep:
-            self._next_sweep = now + _SWEEP_S
+            self.idle_sweep.forget(node)
+        if self.idle_sweep.due(now):
             self.evict_idle(now)
 
     def evict_idle(self, now_s: float) -> list[str]:
         """Evict nodes without batches for ``streams.node_idle_timeout_s`` at monotonic ``now_s``."""
-        idle = [node for node, seen in self._seen_at.items() if now_s - seen > self.idle_timeout_s]
+        idle = self.idle_sweep.sweep(now_s)
         for node in idle:
-            del self._seen_at[node]
             if self.core.forget(node):
                 self.counters.nodes_evicted_idle += 1
         self.core.take_evicted()

@@ -14,6 +14,7 @@ pure code. Behaviour beyond aiokafka's own:
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -61,6 +62,18 @@ def client_kwargs(kafka: KafkaSettings) -> dict[str, Any]:
         kwargs["sasl_plain_username"] = kafka.sasl_username
         kwargs["sasl_plain_password"] = kafka.sasl_password
     return kwargs
+
+
+def unknown_client_options(kafka: KafkaSettings) -> list[tuple[str, str]]:
+    """(``producer_options`` | ``consumer_options``, key) of each pass-through option that
+    aiokafka's producer or consumer does not take (read from their signatures), so a typo is refused
+    at start with the key named instead of failing inside aiokafka."""
+    out = []
+    for section, options, client in (("producer_options", kafka.producer_options, AIOKafkaProducer),
+                                     ("consumer_options", kafka.consumer_options, AIOKafkaConsumer)):
+        accepted = set(inspect.signature(client.__init__).parameters) - {"self", "topics"}
+        out += [(section, key) for key in options if key not in accepted]
+    return out
 
 
 async def create_topics(

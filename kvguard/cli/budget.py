@@ -42,16 +42,19 @@ def _connection(redis_url: Optional[str], settings: Any) -> tuple[str, dict[str,
     """--redis as given, else the settings' redis section (url + password + tls + CA file),
     but only when redis.url was set in the file or the environment: the built-in default,
     127.0.0.1:6379, is often a shared server that holds someone else's ledger."""
-    from kvguard.policy.budget_redis import url_from_settings
+    from kvguard.runtime.mapping import BootstrapError, check_redis_url, redis_target
 
-    url, options = url_from_settings(settings.redis)
-    if redis_url:
-        return redis_url, options
-    if "url" not in settings.redis.model_fields_set:
-        _fail("no Redis to read: pass --redis URL or set redis.url (KVGUARD_REDIS__URL, or "
-              "url in the [redis] table of $KVGUARD_CONFIG); the default "
-              f"{settings.redis.url} is not used here", code=2)
-    return url, options
+    try:
+        if redis_url:
+            options = {"ssl_ca_certs": settings.redis.ssl_cafile} if settings.redis.ssl_cafile else {}
+            return check_redis_url(redis_url, "--redis"), options
+        if "url" not in settings.redis.model_fields_set:
+            _fail("no Redis to read: pass --redis URL or set redis.url (KVGUARD_REDIS__URL, or "
+                  "url in the [redis] table of $KVGUARD_CONFIG); the default "
+                  f"{settings.redis.url} is not used here", code=2)
+        return redis_target(settings.redis)
+    except BootstrapError as exc:
+        _fail(str(exc), code=2)
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -94,13 +97,14 @@ _WEEK_NOTES = {"given": "", "latest": " (latest week with data)",
 def budget_status(node: Optional[str] = _NODE, week: Optional[str] = _WEEK,
                   redis_url: Optional[str] = _REDIS, json_out: bool = _JSON) -> None:
     """Per node: seconds used, budget, remaining, exhausted, the intervals that burned most."""
-    from kvguard.policy.budget import BudgetConfig, BudgetConfigError, LedgerUnavailable
+    from kvguard.policy.budget import BudgetConfigError, LedgerUnavailable
     from kvguard.policy.budget_redis import RedisBudgetLedger
+    from kvguard.runtime.mapping import budget_config
 
     week = _check_week(week)
     settings = _load_settings()
     try:
-        config = BudgetConfig.from_settings(settings)
+        config = budget_config(settings)
     except BudgetConfigError as exc:
         _fail(str(exc), code=2)
     url, options = _connection(redis_url, settings)
@@ -155,12 +159,12 @@ def slo_report(week: Optional[str] = _WEEK, redis_url: Optional[str] = _REDIS,
     Canary rollouts (over all weeks): stage, status and a section per variant (control and
     candidate: node-hours, OOMs per node-hour, commands, evicted-request completion rate)."""
     from kvguard.policy.budget import LedgerUnavailable
-    from kvguard.policy.slo import SloConfig
     from kvguard.policy.slo_redis import RedisSloLedger
+    from kvguard.runtime.mapping import slo_config
 
     week = _check_week(week)
     settings = _load_settings()
-    config = SloConfig.from_settings(settings)
+    config = slo_config(settings)
     url, options = _connection(redis_url, settings)
     ledger = RedisSloLedger(url, config, **options)
     try:

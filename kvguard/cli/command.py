@@ -47,7 +47,8 @@ def command(
     from kvguard.cli.simulate import parse_duration
     from kvguard.config.settings import ConfigError, Settings
     from kvguard.contracts.commands import AckOutcome, Action
-    from kvguard.runtime.bootstrap import BootstrapError, make_bus, shared_secret
+    from kvguard.runtime.bootstrap import BootstrapError
+    from kvguard.runtime.bootstrap import bootstrap as build_graph
     from kvguard.runtime.operator import NodeClock, OperatorError, node_clock, operator_command, send_and_wait
 
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # a connection failure is reported once, below
@@ -56,9 +57,9 @@ def command(
         raise typer.Exit(2)
     try:
         settings = Settings.load(config)
-        secret = shared_secret(settings)
+        graph = build_graph(settings, predictor=None, require_secret=True)
         ttl_s, wait_s = parse_duration(ttl), parse_duration(wait)
-        carrier = make_bus(settings, f"kafka://{bootstrap or settings.kafka.bootstrap}")
+        carrier = graph.make_bus(f"kafka://{bootstrap or settings.kafka.bootstrap}")
     except (ConfigError, BootstrapError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
@@ -75,7 +76,7 @@ def command(
                                         "node id (kvguard export's node label), or give --epoch and --at-ns")
                 clock = NodeClock(node, epoch if epoch is not None else seen.epoch,
                                   at_ns if at_ns is not None else seen.ts_ns)
-            cmd = operator_command(node, Action(ACTIONS[action]), clock, secret, units=units, steps=steps,
+            cmd = operator_command(node, Action(ACTIONS[action]), clock, graph.secret, units=units, steps=steps,
                                    requests=tuple(req or ()), reason=reason, ttl_s=ttl_s)
             return cmd, await send_and_wait(carrier, settings, cmd, wait_s=wait_s)
         finally:

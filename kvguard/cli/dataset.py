@@ -29,7 +29,7 @@ def progress_bar(console):
                     console=console, transient=False)
 
 
-def build_with_progress(specs, console, tick_s: float = 10.0):
+def build_with_progress(specs, console, tick_s: float = 10.0, stream_config=None):
     from kvguard.ml.dataset import build_dataset
 
     with progress_bar(console) as bar:
@@ -39,10 +39,10 @@ def build_with_progress(specs, console, tick_s: float = 10.0):
             ooms = sum(len(s.oom_ts_ns) for s in record.sequences)
             bar.update(task, completed=i, info=f"{spec.key()} [{spec.split}]: {ooms} OOMs, {record.seconds:.1f}s")
 
-        return build_dataset(specs, tick_s=tick_s, progress=report)
+        return build_dataset(specs, tick_s=tick_s, progress=report, stream_config=stream_config)
 
 
-def logs_with_progress(paths, splits, console, tick_s: float = 10.0):
+def logs_with_progress(paths, splits, console, tick_s: float = 10.0, stream_config=None):
     from kvguard.ml.dataset import dataset_from_logs
 
     with progress_bar(console) as bar:
@@ -52,7 +52,7 @@ def logs_with_progress(paths, splits, console, tick_s: float = 10.0):
             ooms = sum(len(s.oom_ts_ns) for s in record.sequences)
             bar.update(task, completed=i, info=f"{path.name}: {len(record.sequences)} nodes, {ooms} OOMs")
 
-        return dataset_from_logs(paths, splits, tick_s=tick_s, progress=report)
+        return dataset_from_logs(paths, splits, tick_s=tick_s, progress=report, stream_config=stream_config)
 
 
 def resolve_specs(preset: str | None, spec_file: Path | None):
@@ -87,19 +87,23 @@ def dataset_command(
     (deterministic; records its inputs)."""
     from rich.console import Console
 
+    from kvguard.config.settings import Settings
     from kvguard.ml.dataset import DatasetError
+    from kvguard.runtime.bootstrap import bootstrap
 
     console = Console(stderr=True)
     try:
+        # the stream core as the deployed worker runs it (tiers 1-2; the dataset trains tier 3)
+        stream_config = bootstrap(Settings.load(), predictor=None).stream_config(tick_s=tick_s)
         if events:
             if spec_file is not None:
                 raise DatasetError("--events and --spec: give one source of runs")
-            ds = logs_with_progress(list(events), list(split or ["train"]), console, tick_s)
+            ds = logs_with_progress(list(events), list(split or ["train"]), console, tick_s, stream_config)
         else:
             if split:
                 raise DatasetError("--split goes with --events (a run spec carries its own split)")
             specs = resolve_specs(preset if spec_file is None else None, spec_file)
-            ds = build_with_progress(specs, console, tick_s)
+            ds = build_with_progress(specs, console, tick_s, stream_config)
     except (DatasetError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

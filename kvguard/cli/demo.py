@@ -203,6 +203,7 @@ def demo(
 
     # the runtime loads the whole system: imported when the command runs, so `kvguard --help` stays fast
     from kvguard.cli.simulate import parse_duration
+    from kvguard.config.extras import require
     from kvguard.config.settings import ConfigError, Settings
     from kvguard.producers.sim.profiles import EngineKnobs, load_profile
     from kvguard.producers.sim.vllm.engine import VllmEngineConfig
@@ -210,6 +211,8 @@ def demo(
     from kvguard.runtime.embedded import compare, demo_workload, ledger_summary, static_arms
     from kvguard.runtime.overbus import run_over_bus
 
+    if not no_report:
+        require("matplotlib")  # the report's plots: said before the runs, not after them
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for name in LOUD_LOGGERS:  # outages and retries are the demo's business to show (on stderr)
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -237,8 +240,12 @@ def demo(
                   f"{duration_s / 60:.0f} min) on {gpus} × {graph.profile.name}; {graph.predictor_note}"
                   + (f"; run {run_id}, nodes {host}/gpu0…" if run_id else ""))
     live = not json_out and console.is_terminal
-    graph.ledger = make_ledger(settings, redis)
-    graph.slo_ledger = make_slo_ledger(settings, redis)
+    try:
+        graph.ledger = make_ledger(settings, redis)
+        graph.slo_ledger = make_slo_ledger(settings, redis)
+    except ValueError as err:  # a --redis URL that is no Redis URL
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
     try:
         baseline = _run(graph, wl, gpus, duration_s, seed, False, live, console, host)
         if bus:

@@ -64,19 +64,28 @@ def eval_command(
 
     from kvguard.cli.dataset import progress_bar
     from kvguard.cli.simulate import parse_duration
+    from kvguard.config.extras import require
+    from kvguard.config.settings import ConfigError, Settings
     from kvguard.ml.dataset import DatasetError, RunSpec, run_fingerprint, simulate_run
     from kvguard.ml.evaluation import NodeTrace, evaluate_traces, plot_lead_times, plot_roc
+    from kvguard.runtime.bootstrap import bootstrap as build_graph
     from kvguard.streams.loader import ModelError, load_predictor
     from kvguard.streams.metrics import FEATURE_NAMES
 
+    require("sklearn")  # the baselines; checked before the runs, not after them
+    if report is not None:
+        require("matplotlib")
     console = Console(stderr=True)
     duration_s = parse_duration(duration)
     try:
         predictor = load_predictor(model, expected_features=list(FEATURE_NAMES))
-    except ModelError as exc:
+        settings = Settings.load()
+    except (ModelError, ConfigError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     meta = predictor.metadata
+    # the stream core as the deployed worker runs this model, at the model's tick
+    stream_config = build_graph(settings, predictor=predictor).stream_config(tick_s=meta.tick_s)
     traces: list[NodeTrace] = []
     workload_of: list[str] = []  # per trace
     runs_out = []
@@ -95,7 +104,8 @@ def eval_command(
             task = bar.add_task("evaluating", total=len(specs), info="")
             for i, spec in enumerate(specs):
                 try:
-                    record = simulate_run(spec, tick_s=meta.tick_s, predictor=predictor, keep_ticks=gpus > 1)
+                    record = simulate_run(spec, tick_s=meta.tick_s, predictor=predictor, keep_ticks=gpus > 1,
+                                          stream_config=stream_config)
                 except (DatasetError, ValueError, FileNotFoundError) as exc:
                     typer.echo(f"error: {spec.key()}: {exc}", err=True)
                     raise typer.Exit(2)

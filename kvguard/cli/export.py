@@ -9,24 +9,19 @@ import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import typer
 
 from kvguard.cli.app import app
 
 
-def export_setting(settings: Any, name: str, default: Any) -> Any:
-    """``export.<name>`` from the settings when they have an ``export`` section, else ``default``."""
-    return getattr(getattr(settings, "export", None), name, default)
-
-
-def broker_unreachable(bootstrap: str, err: BaseException) -> str:
-    """One line for a broker that does not answer, with what to do next."""
+def broker_unreachable(bootstrap: str, err: BaseException, option: str = "--bus kafka://HOST:PORT") -> str:
+    """One line for a broker that does not answer, with what to do next (``option``: the command's
+    flag for the broker's address)."""
     reason = str(err).removeprefix(f"{type(err).__name__}: ")
     cause = type(err).__name__ if not reason or "Unable to bootstrap" in reason else f"{type(err).__name__}: {reason}"
     return (f"error: no Kafka broker answers at {bootstrap} ({cause}). Start it, or point kvguard at yours with "
-            f"--bus kafka://HOST:PORT or KVGUARD_KAFKA__BOOTSTRAP=HOST:PORT.")
+            f"{option} or KVGUARD_KAFKA__BOOTSTRAP=HOST:PORT.")
 
 
 @contextlib.contextmanager
@@ -62,14 +57,14 @@ def export(
     bus: str = typer.Option(None, "--bus", help="kafka://HOST:PORT (default: kafka.bootstrap from settings)."),
     group: str = typer.Option("kvguard-export", "--group", help="Consumer group."),
     ttl: float = typer.Option(None, "--ttl-s", help="Drop a node's series after this many silent wall seconds "
-                              "(default: export.ttl_s, else 300)."),
-    max_nodes: int = typer.Option(None, "--max-nodes", help="Hold at most this many nodes; records of further "
-                                  "nodes are refused and counted (default: export.max_nodes, else 5000)."),
+                              "(default: export.ttl_s, 300)."),
+    max_nodes: int = typer.Option(None, "--max-nodes", min=1, help="Hold at most this many nodes; records of "
+                                  "further nodes are refused and counted (default: export.max_nodes, 5000)."),
     model_label: str = typer.Option(None, "--model-label", help="The `model` label (the served model) of nodes "
-                                    "whose ticks name none (default: export.model_label, else empty)."),
+                                    "whose ticks name none (default: export.model_label, empty)."),
     paging: str = typer.Option(None, "--paging", help="Who pages on kvguard's alerts: forwarder (this exporter, "
                                "to --alertmanager) or prometheus (the rules in deploy/prometheus); default: "
-                               "export.paging, else forwarder."),
+                               "export.paging, forwarder."),
     queue_bound: int = typer.Option(1000, "--queue-bound", help="Alerts buffered per receiver (oldest dropped)."),
     resend: float = typer.Option(60.0, "--resend-s", help="Resend firing alerts to Alertmanager this often "
                                  "(endsAt 4 periods ahead); 0: send transitions only."),
@@ -81,24 +76,24 @@ def export(
     """Serve kvguard's metrics to Prometheus and forward its alerts to Alertmanager (and a webhook)."""
     from kvguard.cli._service import stop_event
     from kvguard.config.settings import ConfigError, Settings
-    from kvguard.ops.export_service import EXPORT_KINDS, PAGING_PATHS, ExportService
+    from kvguard.ops.export_service import EXPORT_KINDS, ExportService
     from kvguard.ops.exporter import ExportError
-    from kvguard.runtime.bootstrap import BootstrapError, make_bus
+    from kvguard.runtime.bootstrap import BootstrapError, bootstrap
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     try:
         host, port = parse_listen(listen)
         settings = Settings.load(config)
         bus_url = bus or f"kafka://{settings.kafka.bootstrap}"
-        carrier = make_bus(settings, bus_url)
-        paging = paging or export_setting(settings, "paging", PAGING_PATHS[0])
+        carrier = bootstrap(settings, predictor=None).make_bus(bus_url)
+        section = settings.export
+        paging = paging or section.paging
         service = ExportService(carrier, {kind: settings.topics.name(kind) for kind in EXPORT_KINDS},
                                 host=host, port=port, group=group, alertmanager_url=alertmanager,
                                 webhook_url=webhook, generator_url=generator_url,
-                                ttl_s=ttl if ttl is not None else export_setting(settings, "ttl_s", 300.0),
-                                max_nodes=max_nodes or export_setting(settings, "max_nodes", 5000),
-                                model=model_label if model_label is not None
-                                else export_setting(settings, "model_label", ""),
+                                ttl_s=ttl if ttl is not None else section.ttl_s,
+                                max_nodes=max_nodes if max_nodes is not None else section.max_nodes,
+                                model=model_label if model_label is not None else section.model_label,
                                 paging=paging, queue_bound=queue_bound, resend_s=resend)
     except (ConfigError, BootstrapError, ExportError, typer.BadParameter) as err:
         typer.echo(f"error: {err}", err=True)

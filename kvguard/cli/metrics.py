@@ -18,7 +18,8 @@ def metrics(
     alerts: bool = typer.Option(False, "--alerts", help="also print the alerts the tiers raise"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object per line: type tick|alert"),
     candidates: bool = typer.Option(False, "--candidates", help="include victim candidates on ticks"),
-    model: Path = typer.Option(None, "--model", help="LSTM model for tier 3 (`kvguard train`); off by default"),
+    model: Path = typer.Option(None, "--model", help="tier-3 model artifact (`kvguard train`), at its calibrated "
+                                                     "threshold; off by default"),
     config: Path = typer.Option(None, "--config", help="TOML/JSON settings file (thresholds, alpha, beta, …)"),
 ) -> None:
     """Replay an event log through the stream core: one line per tick and node (and per alert).
@@ -30,8 +31,9 @@ def metrics(
     """
     from kvguard.cli.simulate import parse_duration
     from kvguard.config.settings import ConfigError, Settings
+    from kvguard.runtime.bootstrap import BootstrapError, bootstrap
     from kvguard.streams.alerts import alert_record
-    from kvguard.streams.core import StreamConfig, StreamConfigError
+    from kvguard.streams.core import StreamConfigError
     from kvguard.streams.embedded import run_event_log
     from kvguard.streams.metrics import tick_record
     from kvguard.wire.eventlog import EventLogError
@@ -46,20 +48,15 @@ def metrics(
         raise typer.Exit(2) from None
     try:
         settings = Settings.load(config)
-        stream_config = StreamConfig.from_settings(settings.streams, settings.predictor, tick_s=tick_s)
-    except (ConfigError, StreamConfigError) as exc:
+        graph = bootstrap(settings, predictor=model)
+        stream_config = graph.stream_config(tick_s=tick_s)
+    except (ConfigError, StreamConfigError, BootstrapError) as exc:
         typer.echo(f"config error: {exc}", err=True)
         raise typer.Exit(2) from None
-    predictor = None
-    if model is not None:
-        from kvguard.streams.loader import ModelError, load_predictor
-        from kvguard.streams.metrics import FEATURE_NAMES
-
-        try:
-            predictor = load_predictor(model, expected_features=list(FEATURE_NAMES))
-        except ModelError as exc:
-            typer.echo(f"--model: {exc}", err=True)
-            raise typer.Exit(2) from None
+    predictor = graph.predictor
+    if model is not None and predictor is None:
+        typer.echo(f"--model: {graph.predictor_note}", err=True)
+        raise typer.Exit(2)
     n_ticks = n_alerts = 0
     out = sys.stdout
     try:

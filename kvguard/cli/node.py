@@ -52,7 +52,7 @@ def node(
     from kvguard.cli.simulate import parse_duration
     from kvguard.config.settings import ConfigError, Settings
     from kvguard.producers.sim.workloads import WorkloadError
-    from kvguard.runtime.bootstrap import BootstrapError, bootstrap, make_bus
+    from kvguard.runtime.bootstrap import BootstrapError, bootstrap
     from kvguard.runtime.embedded import demo_workload
     from kvguard.runtime.node import run_node
 
@@ -60,7 +60,7 @@ def node(
         settings = Settings.load(config)
         graph = bootstrap(settings, profile=profile, predictor=None, require_secret=not no_actuator,
                           insecure_dev=insecure_dev)
-        carrier = make_bus(settings, bus or f"kafka://{settings.kafka.bootstrap}")
+        carrier = graph.make_bus(bus)
     except (ConfigError, BootstrapError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None

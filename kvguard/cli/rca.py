@@ -29,12 +29,15 @@ def rca_command(
     from rich.console import Console
 
     from kvguard.cli.simulate import parse_duration
+    from kvguard.config.extras import require
     from kvguard.config.settings import Settings
     from kvguard.ops import rca
     from kvguard.runtime.bootstrap import bootstrap
     from kvguard.wire.eventlog import EventLogError, read_event_log
 
     err = Console(stderr=True)
+    if report is not None:
+        require("matplotlib")  # the report's plots: said before the replay, not after it
     window_s = parse_duration(window)
     settings = Settings.load()
     if tick is not None:

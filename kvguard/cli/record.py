@@ -55,7 +55,8 @@ def record(
 
     from kvguard.cli.simulate import parse_duration
     from kvguard.config.settings import ConfigError, Settings
-    from kvguard.runtime.bootstrap import BootstrapError, make_bus
+    from kvguard.runtime.bootstrap import BootstrapError
+    from kvguard.runtime.bootstrap import bootstrap as build_graph
     from kvguard.runtime.record import record_events
 
     console = Console(stderr=True)
@@ -65,7 +66,7 @@ def record(
     until_ms = parse_time_ms(until, now_ms=now_ms, option="--until")
     try:
         settings = Settings.load(config)
-        carrier = make_bus(settings, f"kafka://{bootstrap or settings.kafka.bootstrap}")
+        carrier = build_graph(settings, predictor=None).make_bus(f"kafka://{bootstrap or settings.kafka.bootstrap}")
         idle_s = parse_duration(idle_timeout)
     except (ConfigError, BootstrapError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)

@@ -40,17 +40,19 @@ def scrape(
     """
     from kvguard.cli.simulate import parse_duration
     from kvguard.config.settings import ConfigError, Settings
-    from kvguard.streams.core import StreamConfig, StreamConfigError
+    from kvguard.runtime.bootstrap import BootstrapError, bootstrap
+    from kvguard.streams.core import StreamConfigError
 
     try:
         interval_s = parse_duration(interval)
         timeout_s = parse_duration(timeout)
         settings = Settings.load(config)
-        stream_config = StreamConfig.from_settings(settings.streams, settings.predictor, tick_s=interval_s)
+        # no P(OOM) on scraped ticks: the model is trained on the plugin's full features
+        stream_config = bootstrap(settings, predictor=None).stream_config(tick_s=interval_s)
     except typer.BadParameter as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    except (ConfigError, StreamConfigError) as exc:
+    except (ConfigError, StreamConfigError, BootstrapError) as exc:
         typer.echo(f"config error: {exc}", err=True)
         raise typer.Exit(2) from None
     prefix = node or _host_port(url)

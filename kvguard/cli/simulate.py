@@ -6,7 +6,6 @@ import json
 import math
 import re
 import sys
-import time
 from pathlib import Path
 
 import typer
@@ -47,111 +46,6 @@ def check_rate_scale(value: float) -> float:
         raise typer.BadParameter(f"expected a finite number in (0, {MAX_RATE_SCALE:g}], got {value}",
                                  param_hint="--rate-scale")
     return value
-
-
-class EventLogFailed(OSError):
-    """The event log could not be written; the run itself finished (``summary`` holds its result)."""
-
-    def __init__(self, path, error: OSError, summary: dict):
-        self.path, self.error, self.summary = path, error, summary
-        super().__init__(f"could not write the event log {path}: {error.strerror or error}")
-
-
-def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = None, rate_scale: float = 1.0,
-                   profile_name: str | None = None, seed: int = 0, events_out: Path | None = None,
-                   drain: bool = True, flush_s: float = 10.0, progress=None, knobs=None,
-                   prompt_logprobs_frac: float = 0.0, logprobs_guard: bool = False) -> dict:
-    """The command's core, callable from Python: returns the JSON summary as a dict. ``knobs``: an
-    ``EngineKnobs`` over the (vLLM) profile; ``prompt_logprobs_frac``: the share of requests asking
-    for prompt logprobs (``echo`` + ``logprobs``, as lm-eval-harness's loglikelihood tasks do);
-    ``logprobs_guard``: kvguard's node-side logprob guard on (vLLM profiles)."""
-    from kvguard.contracts.units import NS_PER_S
-    from kvguard.producers.sim.fleet import Fleet
-    from kvguard.producers.sim.profiles import ProfileError, load_profile, prompt_cap_tokens
-    from kvguard.producers.sim.vllm.engine import VllmEngineConfig
-    from kvguard.producers.sim.workloads import load_workload
-
-    profile = load_profile(profile_name, knobs=knobs)
-    if prompt_logprobs_frac and profile.engine != "vllm":
-        raise ProfileError(profile.name, "engine", "'vllm' for --prompt-logprobs-frac (the seed engine has no sampler)")
-    # the seed engine caps prompts that could never fit one GPU's KV region (said in the notes); the
-    # vLLM engine takes them as they are and rejects those over max_model_len, as vLLM does
-    wl = load_workload(workload, rate_scale=rate_scale, window=duration_s, seed=seed,
-                       max_prompt_tokens=prompt_cap_tokens(profile))
-    if logprobs_guard and profile.engine != "vllm":
-        raise ProfileError(profile.name, "engine", "'vllm' for --logprobs-guard (the seed engine has no sampler)")
-    config = VllmEngineConfig(prompt_logprobs_frac=prompt_logprobs_frac, logprobs_guard=logprobs_guard) \
-        if profile.engine == "vllm" else None
-    fleet = Fleet(gpus, profile, seed=seed, config=config)
-    fleet.submit_workload(wl)
-    last_arrival_ns = wl.requests[-1].arrival_ns if wl.requests else 0
-    end_ns = int(duration_s * NS_PER_S) if duration_s is not None else last_arrival_ns + int(flush_s * NS_PER_S)
-    drain_cap_ns = end_ns + 1800 * NS_PER_S  # at most 30 simulated minutes to finish what is in flight
-    step_ns = int(flush_s * NS_PER_S)
-    meta = {"workload": workload, "profile": profile.name, "gpus": gpus, "rate_scale": rate_scale, "seed": seed,
-            "duration_s": duration_s, "nodes": fleet.nodes, "workload_notes": wl.notes}
-    writer, write_error = None, None
-    if events_out is not None:
-        from kvguard.wire.eventlog import EventLogWriter
-
-        try:
-            writer = EventLogWriter(events_out, meta).__enter__()
-        except OSError as e:
-            write_error = e
-    state = {"writer": writer, "error": write_error}
-
-    def write(batches) -> None:
-        if state["writer"] is None:
-            return
-        try:
-            for b in batches:
-                state["writer"].write(b)
-        except OSError as e:  # the disk filled up or went away: finish the run, then say so
-            state["error"], state["writer"] = e, _close_quietly(state["writer"])
-
-    wall0 = time.perf_counter()
-    try:
-        fleet.run(end_ns, step_ns=step_ns, drain=drain, drain_cap_ns=drain_cap_ns, on_batches=write,
-                  progress=progress)
-    finally:
-        writer, write_error = state["writer"], state["error"]
-        if writer is not None:
-            try:
-                writer.__exit__(None, None, None)
-            except OSError as e:
-                write_error = write_error or e
-    wall = time.perf_counter() - wall0
-    out = fleet.summary().to_dict()
-    out["wall_seconds"] = round(wall, 3)
-    out["sim_speed_x"] = round(out["sim_seconds"] * gpus / wall, 1) if wall > 0 else None
-    out.update({"gpus": gpus, "profile": profile.name, "workload": wl.describe(), "rate_scale": rate_scale,
-                "seed": seed, "events_out": str(events_out) if events_out else None,
-                "knobs": knobs.to_dict() if knobs is not None else {}, "prompt_logprobs_frac": prompt_logprobs_frac,
-                "logprobs_guard": logprobs_guard})
-    if logprobs_guard:
-        out["logprobs_guard_steps"] = sum(e.logprobs_guard_steps for e in fleet.engines)
-    if profile.memory is not None:
-        out["kv_blocks"] = profile.memory.num_gpu_blocks
-    per_gpu = fleet.per_gpu()
-    for d, e in zip(per_gpu, fleet.engines):
-        d["oom_fragmentation"] = sum(o["fragmentation"] for o in e.oom_log)
-        d["oom_log"] = e.oom_log[:20]
-    out["priority_defaulted"] = sum(d["priority_defaulted"] for d in per_gpu)
-    out["ooms_from_fragmentation"] = sum(d["oom_fragmentation"] for d in per_gpu)
-    out["ooms_by_cause"] = fleet.ooms_by_cause()
-    out["rejected_by_reason"] = fleet.rejected_by_reason()
-    out["engine"] = profile.engine
-    out["per_gpu"] = per_gpu
-    if write_error is not None:
-        raise EventLogFailed(events_out, write_error, out)
-    return out
-
-
-def _close_quietly(writer) -> None:
-    try:
-        writer.__exit__(None, None, None)
-    except OSError:
-        pass
 
 
 TABLE_WIDTH = 80
@@ -244,6 +138,7 @@ def simulate(
 
     from kvguard.producers.sim.profiles import EngineKnobs, ProfileError
     from kvguard.producers.sim.workloads import WorkloadError
+    from kvguard.runtime.simulation import EventLogFailed, run_simulation
 
     check_rate_scale(rate_scale)
     if not 0.0 <= prompt_logprobs_frac <= 1.0:

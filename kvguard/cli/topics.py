@@ -18,6 +18,7 @@ app.add_typer(topics_app, name="topics")
 
 def _settings(config: Path | None, bootstrap: str | None, prefix: str | None):
     from kvguard.config.settings import ConfigError, Settings
+    from kvguard.runtime.bootstrap import BootstrapError, check_kafka_options
 
     overrides: dict = {}
     if bootstrap:
@@ -25,8 +26,10 @@ def _settings(config: Path | None, bootstrap: str | None, prefix: str | None):
     if prefix is not None:
         overrides["topics"] = {"prefix": prefix}
     try:
-        return Settings.load(config, overrides=overrides)
-    except ConfigError as exc:
+        settings = Settings.load(config, overrides=overrides)
+        check_kafka_options(settings)
+        return settings
+    except (ConfigError, BootstrapError) as exc:
         typer.echo(f"config error: {exc}", err=True)
         raise typer.Exit(2) from None
 

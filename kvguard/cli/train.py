@@ -35,23 +35,26 @@ def train_command(
     from rich.console import Console
 
     from kvguard.cli.dataset import build_with_progress, progress_bar, resolve_specs
+    from kvguard.config.extras import require
+    from kvguard.config.settings import Settings
     from kvguard.ml.dataset import DatasetError, TickDataset
-    from kvguard.ml.training import TrainConfig, train
-    from kvguard.streams.lstm import count_parameters, describe, save_model
+    from kvguard.runtime.bootstrap import bootstrap
 
+    if model not in ("lstm", "boosting"):
+        typer.echo(f"error: --model {model!r}: expected lstm or boosting", err=True)
+        raise typer.Exit(2)
+    require("torch" if model == "lstm" else "sklearn")  # before a long simulation, not after it
     console = Console(stderr=True)
     try:
         if data is not None:
             ds = TickDataset.load(data)
         else:
-            ds = build_with_progress(resolve_specs(preset, None), console)
+            stream_config = bootstrap(Settings.load(), predictor=None).stream_config()
+            ds = build_with_progress(resolve_specs(preset, None), console, stream_config.tick_s, stream_config)
             if save_data is not None:
                 ds.save(save_data)
     except (DatasetError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2)
-    if model not in ("lstm", "boosting"):
-        typer.echo(f"error: --model {model!r}: expected lstm or boosting", err=True)
         raise typer.Exit(2)
     command = ("kvguard train " + (f"--data {data}" if data else f"--preset {preset}") + f" --seed {seed}"
                + (f" --model {model}" if model != "lstm" else "") + (f" --epochs {epochs}" if epochs else ""))
@@ -59,6 +62,9 @@ def train_command(
         _train_trees(ds, seed, out, as_json, console, {"data": str(data) if data else None,
                                                       "preset": None if data else preset, "command": command})
         return
+    from kvguard.ml.training import TrainConfig, train
+    from kvguard.streams.lstm import count_parameters, describe, save_model
+
     config = TrainConfig(seed=seed, threads=threads)
     if epochs is not None:
         config.epochs = epochs

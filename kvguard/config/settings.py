@@ -225,10 +225,13 @@ class StreamsSettings(_Section):
 
 
 class PredictorSettings(_Section):
+    # tier 3 (P(OOM)) on by default, with the shipped model unless model_path names another artifact;
+    # false: no predictor (a command's --no-predictor does the same)
+    enabled: bool = True
     model_path: str | None = None
-    # used only when set explicitly (file/env); otherwise tier 3 fires at the model's own
-    # calibrated threshold, from its metadata
-    threshold: float = Field(0.5, ge=0, le=1)
+    # tier 3's operating threshold; null: the model's own calibrated threshold, from its metadata (a
+    # number here replaces it, also in a file that spells out every field)
+    threshold: float | None = Field(None, ge=0, le=1)
     window_s: float = Field(1800.0, gt=0)
     horizon_s: float = Field(300.0, gt=0)
 

@@ -484,12 +484,15 @@ def firing_by_tier(ts_ns: np.ndarray, transitions: list[tuple[int, str, int, boo
 
 
 def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ticks: bool = False,
-                 flush_every_s: float = 1.0) -> RunRecord:
+                 flush_every_s: float = 1.0, stream_config: StreamConfig | None = None) -> RunRecord:
     """Run a workload through the shadow engine (baseline: no policy) and the stream core, tick by tick.
 
     Returns per node the tick features (``streams.metrics.tick_features``), OOM times (from the
     ``oom`` events themselves) and each tier's firing, as the alert rules decided it. With a
     ``predictor`` the core also runs tier 3 (``kvguard eval``); without one it is tiers 1-2 only.
+    ``stream_config``: the core's, as the commands take it from the composition root
+    (``Graph.stream_config``); default: the core's defaults at ``tick_s``, tier 3 at the model's
+    calibrated threshold.
     """
 
     started = time.monotonic()
@@ -500,9 +503,11 @@ def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ti
     engine_config = VllmEngineConfig(prompt_logprobs_frac=spec.prompt_logprobs_frac) if profile.engine == "vllm" else None
     fleet = Fleet(spec.n_gpus, profile, seed=spec.seed, config=engine_config)
     fleet.submit_workload(workload)
-    config = StreamConfig(tick_s=tick_s)
-    if getattr(predictor, "threshold", None) is not None:  # the model's calibrated operating point
-        config = with_model_threshold(config, predictor)
+    config = stream_config
+    if config is None:
+        config = StreamConfig(tick_s=tick_s)
+        if getattr(predictor, "threshold", None) is not None:  # the model's calibrated operating point
+            config = with_model_threshold(config, predictor)
     core = StreamCore(config, predictor=predictor)
     feats: dict[str, list[np.ndarray]] = {n: [] for n in fleet.nodes}
     times: dict[str, list[int]] = {n: [] for n in fleet.nodes}
@@ -525,9 +530,7 @@ def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ti
 
     end_ns = int(spec.duration_s * NS_PER_S)
     step_ns = int(flush_every_s * NS_PER_S)
-    for now in range(step_ns, end_ns + step_ns, step_ns):
-        fleet.advance(now)
-        batches = fleet.take_batches(now)
+    for _, batches in fleet.steps(end_ns, step_ns=step_ns):
         for b in batches:
             oom_rows = b.events["kind"] == EventKind.OOM
             if oom_rows.any():
@@ -562,9 +565,10 @@ def workload_inputs(workload: str) -> dict[str, str]:
     return {str(Path(path).name): file_sha256(path)}
 
 
-def build_dataset(specs: list[RunSpec], *, tick_s: float = 10.0,
-                  progress=None) -> TickDataset:
-    """Simulate every run and assemble the dataset. ``progress(i, n, spec, record)`` after each run.
+def build_dataset(specs: list[RunSpec], *, tick_s: float = 10.0, progress=None,
+                  stream_config: StreamConfig | None = None) -> TickDataset:
+    """Simulate every run and assemble the dataset. ``progress(i, n, spec, record)`` after each run;
+    ``stream_config``: the stream core's (default: its defaults at ``tick_s``).
 
     A run identical to an earlier one (``run_fingerprint``; a trace workload ignores the seed) is
     not kept twice: it would count the same OOMs twice, or put one run in two splits."""
@@ -576,7 +580,7 @@ def build_dataset(specs: list[RunSpec], *, tick_s: float = 10.0,
         if spec.split not in SPLITS:
             raise DatasetError(f"run {i} ({spec.key()}): split {spec.split!r} not in {SPLITS}")
         inputs.update(workload_inputs(spec.workload))
-        record = simulate_run(spec, tick_s=tick_s)
+        record = simulate_run(spec, tick_s=tick_s, stream_config=stream_config)
         fingerprint = run_fingerprint(record.sequences)
         if fingerprint in kept:
             duplicates.append({"key": spec.key(), "split": spec.split, "same_as": kept[fingerprint]})
@@ -608,7 +612,7 @@ class LogRecord:
 
 
 def sequences_from_log(path: str | Path, *, tick_s: float = 10.0, chunk_batches: int = 256,
-                       progress=None) -> LogRecord:
+                       progress=None, stream_config: StreamConfig | None = None) -> LogRecord:
     """One node sequence per node of a recorded event log (``kvguard simulate --events-out`` or
     ``kvguard record``), computed by the same stream core as a simulated run.
 
@@ -618,7 +622,7 @@ def sequences_from_log(path: str | Path, *, tick_s: float = 10.0, chunk_batches:
     labelled. The log is observed to the later of its last event and the header's ``duration_s``
     (``end_ns``); ticks whose horizon reaches past it are censored, as in a simulated run."""
     meta, batches = read_event_log(path)
-    core = StreamCore(StreamConfig(tick_s=tick_s))
+    core = StreamCore(stream_config if stream_config is not None else StreamConfig(tick_s=tick_s))
     feats: dict[str, list[np.ndarray]] = {}
     times: dict[str, list[int]] = {}
     transitions: dict[str, list] = {}
@@ -686,9 +690,10 @@ def log_run_info(record: LogRecord, split: str) -> dict:
 
 
 def dataset_from_logs(paths: list[str | Path], splits: list[str], *, tick_s: float = 10.0,
-                      progress=None) -> TickDataset:
+                      progress=None, stream_config: StreamConfig | None = None) -> TickDataset:
     """A dataset from recorded event logs, one run per log; ``splits`` holds one split for all or one
-    per log. ``progress(i, n, path, record)`` after each log. Identical logs are kept once."""
+    per log. ``progress(i, n, path, record)`` after each log. Identical logs are kept once.
+    ``stream_config``: the stream core's (default: its defaults at ``tick_s``)."""
     if len(splits) not in (1, len(paths)):
         raise DatasetError(f"--split: give one split for all logs or one per log ({len(paths)}), got {len(splits)}")
     runs, inputs, kept, duplicates = [], {}, {}, []
@@ -696,7 +701,7 @@ def dataset_from_logs(paths: list[str | Path], splits: list[str], *, tick_s: flo
         split = splits[0] if len(splits) == 1 else splits[i]
         if split not in SPLITS:
             raise DatasetError(f"--split {split!r}: expected one of {SPLITS}")
-        record = sequences_from_log(path, tick_s=tick_s)
+        record = sequences_from_log(path, tick_s=tick_s, stream_config=stream_config)
         inputs[Path(path).name] = file_sha256(path)
         fingerprint = run_fingerprint(record.sequences)
         info = log_run_info(record, split)

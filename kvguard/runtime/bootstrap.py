@@ -1,10 +1,17 @@
 """The composition root: the one place that turns settings into kvguard's object graph.
 
 ``bootstrap(settings, bus=…, ledger=…)`` returns a ``Graph`` whose factories build what each
-command needs — the demo, a node process, the policy service, the stream worker — from the same
-settings, so a number (tick, thresholds, TTL, secret, profile) is read in one place only. Tests
-pass small working parts (an ``InprocBus``, a ``MemoryBudgetLedger``); nothing here connects,
-starts or reads a clock at import time, and the bus/ledger are only built when asked for.
+command needs — the demo, a node process, the policy service, the stream worker, the exporter, the
+vLLM plugin's command side, a simulation — from the same settings, so a number (tick, thresholds,
+TTL, secret, profile, the predictor and its operating threshold) is read in one place only and what
+is deployed runs what the demo measures. Settings become the parts' typed configs in
+``kvguard.runtime.mapping``. Tests pass small working parts (an ``InprocBus``, a
+``MemoryBudgetLedger``); nothing here connects, starts or reads a clock at import time, and the
+bus/ledger are only built when asked for.
+
+The predictor: tier 3 runs the shipped model (``predictor.model_path`` to name another,
+``predictor.enabled = false`` or a command's ``--no-predictor`` for none) at the model's calibrated
+threshold, unless ``predictor.threshold`` names one.
 
 Secrets: in multi-process mode (``require_secret``: the policy service, a node with actuators)
 the shared HMAC secret must be at least ``MIN_SECRET_BYTES`` long and not a known placeholder
@@ -25,23 +32,34 @@ from kvguard.actuators.actuator import Actuator, AppliedJournal
 from kvguard.actuators.executor import Executor
 from kvguard.bus.base import Bus
 from kvguard.bus.inproc import InprocBus
+from kvguard.config.extras import missing_extra
 from kvguard.config.settings import Settings
-from kvguard.contracts.commands import Mode
-from kvguard.policy.budget import BudgetConfig, BudgetLedger, MemoryBudgetLedger
-from kvguard.policy.canary import Canary, CanaryConfig, CanaryConfigError, resolve_candidate
+from kvguard.policy.budget import BudgetLedger, MemoryBudgetLedger
+from kvguard.policy.canary import Canary, CanaryConfig
 from kvguard.policy.engine import EngineConfig, PolicyEngine
 from kvguard.policy.planner import CostModel, PlannerConfig
 from kvguard.policy.service import PolicyService, SloRecorder
-from kvguard.policy.slo import MemorySloLedger, SloConfig, SloLedger
+from kvguard.policy.slo import MemorySloLedger, SloLedger
 from kvguard.policy.strategy import PRESETS, strategy_from_mapping
 from kvguard.producers.sim.fleet import Fleet
-from kvguard.producers.sim.profiles import Profile, load_profile
+from kvguard.producers.sim.profiles import EngineKnobs, Profile, load_profile
 from kvguard.producers.sim.registry import NodeConfig
+from kvguard.runtime.mapping import (
+    BootstrapError,
+    budget_config,
+    canary_config,
+    check_redis_url,
+    slo_config,
+    stream_config,
+)
 from kvguard.streams.core import StreamConfig, StreamCore
 from kvguard.streams.loader import load_predictor, with_model_threshold
 from kvguard.streams.metrics import FEATURE_NAMES
 from kvguard.streams.predictor import ModelError, Predictor
 from kvguard.streams.tick_model import TickModelPredictor
+
+__all__ = ["BootstrapError", "Graph", "bootstrap", "check_kafka_options", "engine_config_from", "make_bus",
+           "make_ledger", "make_slo_ledger", "redis_ledgers", "secret_problem", "shared_secret"]
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +70,6 @@ PLACEHOLDER_SECRETS = frozenset({
     "replace_me", "replaceme", "dev", "test", "password", "hmac", "hmac-secret", "kvguard", "default",
     "example", "todo", "...", "…",
 })
-
-
-class BootstrapError(ValueError):
-    """A setting needed to build the graph is missing or wrong; ``field`` names it."""
-
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field}: {problem}")
-        self.field = field
 
 
 @dataclass(slots=True)
@@ -80,25 +90,38 @@ class Graph:
 
     # -- stream side ----------------------------------------------------------------------------
 
-    def stream_config(self, **overrides: Any):
-        section = self.settings.predictor
-        config = StreamConfig.from_settings(self.settings.streams, section, **overrides)
-        if "threshold" not in section.model_fields_set and self.predictor is not None:
+    def stream_config(self, **overrides: Any) -> StreamConfig:
+        """The settings' stream config (``overrides`` win) with tier 3 at the predictor's calibrated
+        threshold unless ``predictor.threshold`` names one."""
+        config = stream_config(self.settings, **overrides)
+        if self.settings.predictor.threshold is None and self.predictor is not None:
             config = with_model_threshold(config, self.predictor)
         return config
 
-    def stream_core(self, *, with_predictor: bool = True):
-        predictor = self.predictor if with_predictor else None
-        window = getattr(predictor, "window_ticks", None)
-        config = self.stream_config(**({"window_ticks": window} if window else {}))
-        return StreamCore(config, predictor=predictor)
+    def core_config(self, *, with_predictor: bool = True) -> StreamConfig:
+        """What ``stream_core`` runs, the embedded loop and the Faust worker alike: ``stream_config``
+        with a feature history as long as the predictor's window."""
+        window = self.predictor.window_ticks if with_predictor and self.predictor is not None else None
+        return self.stream_config(**({"window_ticks": window} if window else {}))
+
+    def stream_core(self, *, with_predictor: bool = True) -> StreamCore:
+        return StreamCore(self.core_config(with_predictor=with_predictor),
+                          predictor=self.predictor if with_predictor else None)
+
+    def tier3(self) -> str:
+        """One line on tier 3 as this graph runs it: the model and its operating threshold."""
+        if self.predictor is None:
+            return self.predictor_note
+        origin = ("the model's calibrated threshold" if self.settings.predictor.threshold is None
+                  else "predictor.threshold")
+        return f"{self.predictor_note}; tier 3 at P(OOM) >= {self.stream_config().thresholds.p_oom:.4f} ({origin})"
 
     # -- policy side ----------------------------------------------------------------------------
 
-    def policy_engine(self, canary: Any = None):
+    def policy_engine(self, canary: Canary | None = None) -> PolicyEngine:
         return PolicyEngine(self.engine_config, self.secret, canary=canary)
 
-    def canary(self, slo_ledger: Any = None):
+    def canary(self, slo_ledger: SloLedger | None = None) -> Canary | None:
         """The canary rollout over ``slo_ledger`` (its records and state live there; default: the
         graph's, else a fresh in-memory one); None when ``canary.enabled`` is off."""
         if self.canary_config is None:
@@ -106,22 +129,24 @@ class Graph:
         if slo_ledger is None:
             slo_ledger = self.slo_ledger
         if slo_ledger is None:
-            slo_ledger = MemorySloLedger(SloConfig.from_settings(self.settings))
+            slo_ledger = MemorySloLedger(slo_config(self.settings))
         return Canary(self.canary_config, slo_ledger)
 
-    def slo_recorder(self, slo_ledger: Any = None, *, confirm_with_acks: bool = False):
+    def slo_recorder(self, slo_ledger: SloLedger | None = None, *, confirm_with_acks: bool = False
+                     ) -> SloRecorder | None:
         """The SLO recorder over ``slo_ledger`` (default: the graph's; None when neither is set).
         Predictions are labelled at the operating threshold: the predictor's calibrated one unless
-        ``predictor.threshold`` is set, the same line the stream's tier-3 alert uses."""
+        ``predictor.threshold`` names one, the same line the stream's tier-3 alert uses."""
         slo_ledger = slo_ledger if slo_ledger is not None else self.slo_ledger
         if slo_ledger is None:
             return None
         thresholds = self.stream_config().thresholds
         return SloRecorder(slo_ledger, threshold=thresholds.p_oom, thresholds=thresholds,
-                           horizon_s=SloConfig.from_settings(self.settings).horizon_s,
+                           horizon_s=slo_config(self.settings).horizon_s,
                            confirm_with_acks=confirm_with_acks, max_nodes=self.settings.policy.max_nodes)
 
-    def policy_service(self, *, bus: Any = None, ledger: Any = None, slo: Any = None):
+    def policy_service(self, *, bus: Bus | None = None, ledger: BudgetLedger | None = None,
+                       slo: SloRecorder | None = None) -> PolicyService:
         """``slo``: an ``SloRecorder`` (default: one over the graph's SLO ledger, if any). With
         ``canary.enabled`` the engine, the service and the recorder share one ``Canary`` over the
         recorder's SLO ledger (an in-memory one, and a recorder over it, when there is none)."""
@@ -129,7 +154,7 @@ class Graph:
         canary = None
         if self.canary_config is not None:
             if slo is None:
-                slo = self.slo_recorder(MemorySloLedger(SloConfig.from_settings(self.settings)))
+                slo = self.slo_recorder(MemorySloLedger(slo_config(self.settings)))
             canary = self.canary(slo.ledger)
             slo.canary = canary
         return PolicyService(self.policy_engine(canary), self.settings, bus=bus or self.bus,
@@ -137,22 +162,23 @@ class Graph:
 
     # -- node side ------------------------------------------------------------------------------
 
-    def fleet(self, n_gpus: int, *, seed: int = 0, host: str = "sim-0", snapshot_every_s: float = 60.0):
+    def fleet(self, n_gpus: int, *, seed: int = 0, host: str = "sim-0", snapshot_every_s: float = 60.0) -> Fleet:
         return Fleet(n_gpus, self.profile, seed=seed, host=host, snapshot_every_s=snapshot_every_s,
                      config=self.node_config)
 
-    def with_node(self, profile: Any, node_config: Any = None) -> "Graph":
+    def with_node(self, profile: Profile, node_config: NodeConfig | None = None) -> "Graph":
         """The same graph over another node-side configuration (a demo arm): the profile (with its
         engine knobs) and the engines' config; the policy's numbers follow the profile."""
         return replace(self, profile=profile, node_config=node_config,
                        engine_config=engine_config_from(self.settings, profile, {}), notes=list(self.notes))
 
     def actuators(self, engines: list[Any], *, journal_dir: str | Path | None = None,
-                  epoch: int | None = None) -> dict[str, Any]:
-        """One actuator per engine; with ``journal_dir`` each keeps its applied-id journal there
-        (the node process passes ``node.journal_dir``; None keeps it in memory, as the embedded
-        loop does). ``epoch``: the producer epoch of the engines' run (commands of another epoch
-        are rejected; None: not checked). Skew and TTL caps from ``node.command_max_*``."""
+                  epoch: int | None = None) -> dict[str, Actuator]:
+        """One actuator per engine (a shadow engine, or the plugin's adapter of a real one); with
+        ``journal_dir`` each keeps its applied-id journal there (the node process passes
+        ``node.journal_dir``; None keeps it in memory, as the embedded loop does). ``epoch``: the
+        producer epoch of the engines' run (commands of another epoch are rejected; None: not
+        checked). Skew and TTL caps from ``node.command_max_*``."""
         node_settings = self.settings.node
         out = {}
         for engine in engines:
@@ -165,33 +191,42 @@ class Graph:
                                         max_ttl_ns=int(node_settings.command_max_ttl_s * 1e9))
         return out
 
+    # -- the outside world: built only when asked for ------------------------------------------------
 
-def bootstrap(settings: Any = None, *, bus: Any = None, ledger: Any = None, slo_ledger: Any = None,
-              profile: str | None = None, knobs: Any = None, node_config: Any = None,
-              predictor: Any = "shipped", strategy_overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    def make_bus(self, bus_url: str | None = None) -> Bus:
+        """The bus of ``bus_url`` (default: Kafka at ``kafka.bootstrap``); see ``make_bus``."""
+        return make_bus(self.settings, bus_url if bus_url else f"kafka://{self.settings.kafka.bootstrap}")
+
+
+def bootstrap(settings: Settings | None = None, *, bus: Bus | None = None, ledger: BudgetLedger | None = None,
+              slo_ledger: SloLedger | None = None, profile: str | None = None, knobs: EngineKnobs | None = None,
+              node_config: NodeConfig | None = None, predictor: Predictor | str | Path | None = "shipped",
+              strategy_overrides: Mapping[str, Mapping[str, Any]] | None = None,
               require_secret: bool = False, insecure_dev: bool = False) -> Graph:
-    """Build the graph. ``predictor``: ``"shipped"`` (load the shipped LSTM if present), ``None``
-    (no tier 3), a path, or a ready predictor object. ``require_secret``: multi-process mode, where
-    policy and actuators must share ``policy.hmac_secret`` (an embedded run makes one up), and a
-    weak one is refused unless ``insecure_dev``."""
+    """Build the graph. ``predictor``: ``"shipped"`` (the shipped model, or ``predictor.model_path``;
+    none when ``predictor.enabled`` is off), ``None`` (no tier 3), a path, or a ready predictor.
+    ``require_secret``: multi-process mode, where policy and actuators must share
+    ``policy.hmac_secret`` (an embedded run makes one up), and a weak one is refused unless
+    ``insecure_dev``."""
     settings = settings if settings is not None else Settings.load()
     prof = load_profile(profile, knobs=knobs)
     secret, generated = _secret(settings, require_secret, insecure_dev)
     engine_config = engine_config_from(settings, prof, strategy_overrides or {})
     graph = Graph(settings=settings, profile=prof, secret=secret, secret_generated=generated,
                   engine_config=engine_config, bus=bus, ledger=ledger, slo_ledger=slo_ledger, node_config=node_config,
-                  canary_config=canary_config_from(settings, engine_config))
+                  canary_config=canary_config(settings, engine_config))
     graph.predictor, graph.predictor_note = _predictor(settings, predictor)
     return graph
 
 
-def engine_config_from(settings: Any, profile: Any, strategy_overrides: Mapping[str, Mapping[str, Any]]):
+def engine_config_from(settings: Settings, profile: Profile,
+                       strategy_overrides: Mapping[str, Mapping[str, Any]]) -> EngineConfig:
     """Policy numbers: the strategies from settings (and overrides), the rest from the profile."""
     policy = settings.policy
     default = replace(PRESETS[policy.preset], scan_interval_s=float(policy.async_scan_s), name=policy.preset)
     emergency = PRESETS["emergency"]
     for name in ("default", "emergency"):
-        values = dict(getattr(policy, name, None) or {})
+        values = dict(policy.default if name == "default" else policy.emergency)
         values.update(strategy_overrides.get(name, {}))
         if values:
             base = default if name == "default" else emergency
@@ -217,55 +252,74 @@ def engine_config_from(settings: Any, profile: Any, strategy_overrides: Mapping[
                         batch_cap_tokens=max(profile.max_num_seqs, profile.max_batched_tokens // 2) if vllm else 0)
 
 
-def canary_config_from(settings: Any, engine_config: Any) -> CanaryConfig | None:
-    """The canary rollout from the ``canary`` section (None when off): the candidate against the
-    strategy of ``canary.mode`` as the settings configure it (the control)."""
-    section = getattr(settings, "canary", None)
-    if section is None or not section.enabled:
-        return None
-    mode = Mode(section.mode)
-    control = engine_config.emergency if mode is Mode.EMERGENCY else engine_config.default
-    try:
-        return CanaryConfig(candidate=resolve_candidate(section.candidate, control), control=control, mode=mode,
-                            stages=tuple(section.stages), min_node_hours=float(section.min_node_hours),
-                            oom_rate_factor=float(section.oom_rate_factor),
-                            completion_margin=float(section.completion_margin),
-                            min_resolved_evictions=int(section.min_resolved_evictions),
-                            evaluate_every_s=float(section.evaluate_every_s), rollout_id=section.rollout_id)
-    except CanaryConfigError as err:
-        raise BootstrapError(err.field, str(err).split(": ", 1)[1]) from None
-
-
-def make_ledger(settings: Any, redis_url: str | None = None):
-    """The budget ledger: Redis when a URL is given, else the in-memory one (embedded)."""
-    config = BudgetConfig.from_settings(settings)
+def make_ledger(settings: Settings, redis_url: str | None = None, *, option: str = "--redis") -> BudgetLedger:
+    """The budget ledger: Redis when a URL is given (``option`` named when it is no Redis URL),
+    else the in-memory one (embedded)."""
+    config = budget_config(settings)
     if not redis_url:
         return MemoryBudgetLedger(config)
     # redis is loaded only when a ledger URL is given
     from kvguard.policy.budget_redis import RedisBudgetLedger
 
-    return RedisBudgetLedger(redis_url, config)
+    return RedisBudgetLedger(check_redis_url(redis_url, option), config)
 
 
-def make_slo_ledger(settings: Any, redis_url: str | None = None):
-    """The SLO ledger: Redis when a URL is given, else the in-memory one (embedded)."""
+def make_slo_ledger(settings: Settings, redis_url: str | None = None, *, option: str = "--redis") -> SloLedger:
+    """The SLO ledger: Redis when a URL is given (``option`` named when it is no Redis URL), else
+    the in-memory one (embedded)."""
+    config = slo_config(settings)
+    if not redis_url:
+        return MemorySloLedger(config)
     # redis is loaded only when a ledger URL is given
-    from kvguard.policy.slo_redis import open_slo_ledger
+    from kvguard.policy.slo_redis import RedisSloLedger
 
-    return open_slo_ledger(redis_url, SloConfig.from_settings(settings))
+    return RedisSloLedger(check_redis_url(redis_url, option), config)
 
 
-def make_bus(settings: Any, bus_url: str | None):
-    """``None``/``inproc://`` → the in-process bus; ``kafka://host:port`` → Kafka."""
+def redis_ledgers(settings: Settings, redis_url: str, *, option: str = "--redis") -> tuple[BudgetLedger, SloLedger]:
+    """Both ledgers in Redis at ``redis_url``, once Redis answers there: ``BootstrapError`` naming
+    ``option`` when the URL is no Redis URL, ``LedgerUnavailable`` naming it when nothing answers (a
+    service must not run for hours without its ledgers and say so only when it stops)."""
+    # redis is loaded only when a ledger URL is given
+    from kvguard.policy.budget import LedgerUnavailable
+    from kvguard.policy.budget_redis import RedisBudgetLedger
+    from kvguard.policy.slo_redis import RedisSloLedger
+
+    url = check_redis_url(redis_url, option)
+    ledgers = RedisBudgetLedger(url, budget_config(settings)), RedisSloLedger(url, slo_config(settings))
+    try:
+        for ledger in ledgers:
+            ledger.ping()
+    except LedgerUnavailable as err:
+        for ledger in ledgers:
+            ledger.close()
+        raise LedgerUnavailable(f"{option}: {err}") from None
+    return ledgers
+
+
+def make_bus(settings: Settings, bus_url: str | None) -> Bus:
+    """``None``/``inproc://`` → the in-process bus; ``kafka://host:port`` → Kafka, its pass-through
+    client options checked against aiokafka's (``BootstrapError`` naming an unknown key)."""
     if not bus_url or bus_url.startswith("inproc"):
         return InprocBus.from_settings(settings)
     if not bus_url.startswith("kafka://"):
         raise BootstrapError("--bus", f"expected kafka://HOST:PORT or inproc://, got {bus_url!r}")
+    check_kafka_options(settings)
     # aiokafka is loaded only for a Kafka bus
     from kvguard.bus.kafka import KafkaBus
 
     kafka = settings.kafka.model_copy(update={"bootstrap": bus_url[len("kafka://"):]})
     return KafkaBus(kafka)
+
+
+def check_kafka_options(settings: Settings) -> None:
+    """``BootstrapError`` naming the first pass-through Kafka option (``kafka.producer_options`` /
+    ``consumer_options``) that aiokafka does not take."""
+    # aiokafka's signatures: loaded only where Kafka is used
+    from kvguard.bus.kafka import unknown_client_options
+
+    for section, key in unknown_client_options(settings.kafka):
+        raise BootstrapError(f"kafka.{section}.{key}", f"not an aiokafka {section.split('_')[0]} option")
 
 
 def secret_problem(text: str) -> str | None:
@@ -279,13 +333,13 @@ def secret_problem(text: str) -> str | None:
     return None
 
 
-def shared_secret(settings: Any) -> bytes:
+def shared_secret(settings: Settings) -> bytes:
     """The HMAC secret shared by the policy, the actuators and an operator's `kvguard command`
     (``policy.hmac_secret``); ``BootstrapError`` naming the field when it is empty or weak."""
     return _secret(settings, True)[0]
 
 
-def _secret(settings: Any, required: bool, insecure_dev: bool = False) -> tuple[bytes, bool]:
+def _secret(settings: Settings, required: bool, insecure_dev: bool = False) -> tuple[bytes, bool]:
     text = settings.policy.hmac_secret
     if text:
         problem = secret_problem(text)
@@ -304,18 +358,20 @@ def _secret(settings: Any, required: bool, insecure_dev: bool = False) -> tuple[
     return secrets.token_hex(16).encode(), True
 
 
-def _predictor(settings: Any, predictor: Any) -> tuple[Any, str]:
+def _predictor(settings: Settings, predictor: Predictor | str | Path | None) -> tuple[Predictor | None, str]:
     """The tier-3 predictor and a note on it (the tier keeps its historical name ``lstm`` on the wire;
     the shipped model is gradient-boosted trees, streams/models/README.md)."""
     if predictor is None:
         return None, "no predictor tier (disabled)"
-    if not isinstance(predictor, str):
+    if predictor == "shipped" and not settings.predictor.enabled:
+        return None, "no predictor tier (predictor.enabled is false)"
+    if not isinstance(predictor, (str, Path)):
         return predictor, "predictor tier: given predictor"
     path = settings.predictor.model_path if predictor == "shipped" else predictor
     try:
         model = load_predictor(path, expected_features=list(FEATURE_NAMES))
     except ImportError as err:  # an LSTM artifact without torch installed
-        return None, f"no predictor tier ({err})"
+        return None, f"no predictor tier (an LSTM artifact {missing_extra(err) or err})"
     except ModelError as err:
         return None, f"no predictor tier: {err}"
     kind = "boosted trees" if isinstance(model, TickModelPredictor) else "LSTM"

@@ -104,11 +104,7 @@ async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: fl
     tick_ns = int(settings.streams.tick_s * NS_PER_S)
     end_ns = int(duration_s * NS_PER_S)
     wall0 = time.perf_counter()
-    t = 0
-    while t < end_ns:
-        t = min(t + tick_ns, end_ns)
-        fleet.advance(t)
-        batches = fleet.take_batches(t)
+    for t, batches in fleet.steps(end_ns, step_ns=tick_ns, clamp=True):
         if on_batches is not None:
             on_batches(batches)
         if slo is not None:
@@ -214,7 +210,7 @@ def ledger_summary(ledger: Any, slo_ledger: Any, redis: str | None) -> tuple[dic
         reachable_error = None
         if redis:
             try:
-                led.weeks()
+                led.ping()
             except Exception as err:  # noqa: BLE001 - LedgerUnavailable names the (masked) URL
                 reachable_error = str(err)
         stats = led.stats().to_dict() if hasattr(led, "stats") else {}

@@ -49,7 +49,8 @@ async def run_over_bus(graph: Any, workload: Any, *, bus: str, n_gpus: int, dura
     try:
         await carrier.start()
         result = RunResult("guarded", {})
-        streams = StreamsService(carrier, settings, graph.predictor, group=f"kvguard-demo-{run_id}-streams")
+        streams = StreamsService(carrier, settings, graph.predictor, config=graph.stream_config(),
+                                 group=f"kvguard-demo-{run_id}-streams")
         slo = graph.slo_recorder(confirm_with_acks=True)
         service = graph.policy_service(bus=carrier, slo=slo)
         handle = service.handle_tick

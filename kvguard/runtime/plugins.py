@@ -25,9 +25,14 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvguard.actuators.threaded import EngineThreadExecutor
+
+if TYPE_CHECKING:  # vLLM imports this module in each of its processes: the rest only when an engine attaches
+    from kvguard.actuators.actuator import Actuator
+    from kvguard.bus.base import Bus
+    from kvguard.config.settings import Settings
 
 log = logging.getLogger("kvguard.vllm")
 
@@ -35,7 +40,7 @@ log = logging.getLogger("kvguard.vllm")
 class CommandConsumer:
     """``run_actuators`` for one engine on a daemon thread with its own event loop."""
 
-    def __init__(self, settings: Any, actuator: Any, bus: Any = None) -> None:
+    def __init__(self, settings: Settings, actuator: Actuator, bus: Bus) -> None:
         self.settings = settings
         self.actuator = actuator
         self.bus = bus
@@ -53,10 +58,6 @@ class CommandConsumer:
         # the actuator loop and the Kafka client (aiokafka): loaded on the consumer's own thread
         from kvguard.actuators.actuator import run_actuators
 
-        if self.bus is None:
-            from kvguard.bus.kafka import KafkaBus
-
-            self.bus = KafkaBus(self.settings.kafka)
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         await self.bus.start()
@@ -74,23 +75,25 @@ class CommandConsumer:
         self._thread.join(timeout=timeout_s)
 
 
-def start_for(plugin: Any, settings: Any = None, bus: Any = None) -> CommandConsumer | None:
-    """Start the command consumer of one attached engine (None, with the reason logged, when it cannot)."""
+def start_for(plugin: Any, settings: Settings | None = None, bus: Bus | None = None) -> CommandConsumer | None:
+    """Start the command consumer of one attached engine (None, with the reason logged, when it
+    cannot). ``plugin``: the vLLM plugin of ``kvguard.producers.vllm.plugin`` (duck-typed here: the
+    producers wing is not this module's to import at load time). The actuator, its secret and its
+    Kafka bus come from the composition root, as for ``kvguard node``."""
     # the bootstrap loads the policy side's config (pydantic, a profile): only when an engine attaches
-    from kvguard.config.settings import Settings
+    from kvguard.config.settings import ConfigError, Settings
     from kvguard.runtime.bootstrap import BootstrapError, bootstrap
 
-    if settings is None:
-        if not plugin.config.bootstrap:
-            log.info("kvguard: no KVGUARD_BOOTSTRAP: %s executes no commands", plugin.node)
-            return None
-        settings = Settings.load()
-        if plugin.config.bootstrap != "settings":
-            settings = settings.model_copy(update={"kafka": settings.kafka.model_copy(
-                update={"bootstrap": plugin.config.bootstrap})})
     try:
+        if settings is None:
+            if not plugin.config.bootstrap:
+                log.info("kvguard: no KVGUARD_BOOTSTRAP: %s executes no commands", plugin.node)
+                return None
+            address = plugin.config.bootstrap
+            settings = Settings.load(overrides={} if address == "settings" else {"kafka": {"bootstrap": address}})
         graph = bootstrap(settings, predictor=None, require_secret=True)
-    except BootstrapError as err:
+        bus = bus if bus is not None else graph.make_bus()
+    except (BootstrapError, ConfigError) as err:
         log.warning("kvguard: %s executes no commands: %s", plugin.node, err)
         return None
     journal = settings.node.journal_dir

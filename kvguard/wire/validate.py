@@ -37,16 +37,12 @@ class InvalidRecord(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class WireLimits:
-    """Caps on what one record may ask a consumer to hold (``streams.max_*`` settings)."""
+    """Caps on what one record may ask a consumer to hold (``streams.max_*`` settings, mapped by
+    ``kvguard.runtime.mapping.wire_limits``)."""
 
     max_dynamic_units: int = 1 << 24  # D of one GPU; the mirror keeps ~17 bytes per unit
     max_batch_events: int = 1 << 20  # rows of one event batch
     max_state_refs: int = 1 << 22  # request references in one PoolState dump
-
-    @classmethod
-    def from_settings(cls, streams: Any) -> WireLimits:
-        """From ``settings.streams`` (read by attribute; defaults where a field is absent)."""
-        return cls(**{name: getattr(streams, name) for name in cls.__slots__ if hasattr(streams, name)})
 
 
 DEFAULT_LIMITS = WireLimits()

@@ -11,7 +11,7 @@ every snapshot batch, and a SNAPSHOT + ``PoolState`` every ``snapshot_every_s`` 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -132,22 +132,23 @@ class Fleet:
                 return False
         return True
 
-    def run(self, end_ns: int, *, step_ns: int, drain: bool = True, drain_cap_ns: int | None = None,
-            on_batches=None, progress=None) -> None:
-        """Advance in steps of ``step_ns`` to ``end_ns``; with ``drain``, go on until the fleet is idle
-        or ``drain_cap_ns``. Each step's event batches go to ``on_batches(batches)`` (dropped without
-        it); ``progress(done_s, total_s)`` after each step."""
-        t = self.now_ns
+    def steps(self, end_ns: int, *, step_ns: int, clamp: bool = False, drain: bool = False,
+              drain_cap_ns: int | None = None) -> Iterator[tuple[int, list[EventBatch]]]:
+        """The run loop every driver of the fleet shares (the embedded closed loop, the dataset
+        builder, ``kvguard simulate``): advance in steps of ``step_ns`` from the fleet's clock and
+        yield ``(now_ns, batches)`` after each, the step's event batches; the caller processes them
+        before the next step is taken. With ``clamp`` the step that crosses ``end_ns`` ends there,
+        else it is a whole step (past ``end_ns`` when that is no multiple of it). With ``drain`` the steps go on
+        past ``end_ns`` until the fleet is idle or ``drain_cap_ns`` (default ``end_ns``) is reached."""
+        if self.now_ns >= end_ns and not drain:
+            return
+        cap_ns = drain_cap_ns if drain_cap_ns is not None else end_ns
+        now_ns = self.now_ns
         while True:
-            t += step_ns
-            self.advance(t)
-            batches = self.take_batches(t)
-            if on_batches is not None:
-                on_batches(batches)
-            if progress is not None:
-                progress(min(t, end_ns) / NS_PER_S, end_ns / NS_PER_S)
-            cap = drain_cap_ns if drain_cap_ns is not None else end_ns
-            if t >= end_ns and (not drain or t >= cap or self.idle()):
+            now_ns = min(now_ns + step_ns, end_ns) if clamp and now_ns < end_ns else now_ns + step_ns
+            self.advance(now_ns)
+            yield now_ns, self.take_batches(now_ns)
+            if now_ns >= end_ns and (not drain or now_ns >= cap_ns or self.idle()):
                 return
 
     def summary(self) -> RunSummary:

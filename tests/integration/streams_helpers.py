@@ -91,7 +91,9 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from kvguard.cli import main; main()", "worker", "--config", str(self.config), "--app-id", self.app_id,
              "--checkpoint-every-ticks", str(self.checkpoint_every_ticks), "--loglevel", "info",
-             "--datadir", str(self.dir / "data")],
+             # no tier 3: these tests compare the ticks with the embedded core's without a predictor
+             # (expected_records); test_worker_shipped_settings runs the worker as deployed
+             "--datadir", str(self.dir / "data"), "--no-predictor"],
             stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
             start_new_session=True)
         return self

@@ -484,9 +484,10 @@ def test_budget_status_cli_says_when_redis_is_unreachable():
 def test_tls_and_password_from_settings(tmp_path):
     """rediss:// with a CA file and a password, as the settings' redis section gives them."""
     import shutil
-    from types import SimpleNamespace
 
-    from kvguard.policy.budget_redis import RedisBudgetLedger, url_from_settings
+    from kvguard.config.settings import RedisSettings
+    from kvguard.policy.budget_redis import RedisBudgetLedger
+    from kvguard.runtime.mapping import redis_target
 
     if not shutil.which("openssl"):
         pytest.skip("openssl is needed to make a test certificate")
@@ -507,9 +508,9 @@ def test_tls_and_password_from_settings(tmp_path):
                           log_path=str(tmp_path / "redis.log"))
         except RuntimeError as exc:
             pytest.skip(f"this redis-server has no TLS: {exc}")
-        section = SimpleNamespace(url=f"redis://127.0.0.1:{port}/0", password="p@ss:word",
-                                  tls=True, ssl_cafile=str(cert))
-        url, options = url_from_settings(section)
+        section = RedisSettings(url=f"redis://127.0.0.1:{port}/0", password="p@ss:word",
+                                tls=True, ssl_cafile=str(cert))
+        url, options = redis_target(section)
         assert url.startswith("rediss://:p%40ss%3Aword@")
         ledger = RedisBudgetLedger(url, make_config(), **options)
         assert ledger.debit("gpu0", ts(W48, 0), TICK_S, 0.9).counted

@@ -174,6 +174,7 @@ def test_two_variants_on_an_embedded_fleet_attribute_commands_to_each(private_re
     from kvguard.policy.slo_redis import RedisSloLedger
     from kvguard.runtime.bootstrap import bootstrap
     from kvguard.runtime.embedded import demo_workload, run_embedded
+    from kvguard.runtime.mapping import slo_config
 
     host = next(h for h in (f"canary-{i}" for i in range(1000))
                 if sorted(node_bucket(f"{h}/gpu{g}") < 50 for g in range(4)) == [False, False, True, True])
@@ -182,7 +183,7 @@ def test_two_variants_on_an_embedded_fleet_attribute_commands_to_each(private_re
     settings = Settings(budget={"key_prefix": key_prefix},
                         canary={"enabled": True, "candidate": CANDIDATE_VARIANT, "stages": [50, 100],
                                 "min_node_hours": 1000})
-    slo_ledger = RedisSloLedger(private_redis, SloConfig.from_settings(settings), **PATIENT)
+    slo_ledger = RedisSloLedger(private_redis, slo_config(settings), **PATIENT)
     graph = bootstrap(settings, predictor=None, profile="llama3-8b-24gb", slo_ledger=slo_ledger)
     wl = demo_workload(graph.profile, workload="mixed", rate_scale=6.0, duration_s=240.0, seed=1)
     bus = InprocBus.from_settings(settings)

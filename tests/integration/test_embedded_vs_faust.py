@@ -6,6 +6,7 @@ import uuid
 
 from kvguard.bus.inproc import InprocBus
 from kvguard.config.settings import Settings
+from kvguard.runtime.mapping import stream_config
 from kvguard.streams.embedded import StreamsService, run_event_log
 from kvguard.streams.outputs import encode_alert, encode_tick
 from kvguard.wire.eventlog import write_event_log
@@ -33,7 +34,7 @@ async def test_embedded_service_log_replay_and_faust_give_identical_records(kafk
     bus = InprocBus.from_settings(settings)
     for b in batches:
         await bus.publish(settings.topics.name("events"), b.node, encode_batch(b), batch_headers(b))
-    service = StreamsService(bus, settings)
+    service = StreamsService(bus, settings, config=stream_config(settings))
     await service.run(idle_timeout_s=0.5)
     sub = bus.subscribe([settings.topics.name("metrics"), settings.topics.name("alerts")], "check")
     records = await sub.getmany(100_000, 0.1)

@@ -137,16 +137,16 @@ async def test_the_policy_killed_between_publishing_and_committing_reissues_the_
 
 def test_redis_down_when_the_policy_starts(redis_server):
     from kvguard.config.settings import Settings
-    from kvguard.policy.budget import BudgetConfig
     from kvguard.policy.budget_redis import RedisBudgetLedger
     from kvguard.policy.engine import EngineConfig, PolicyEngine
     from kvguard.policy.service import PolicyService
+    from kvguard.runtime.mapping import budget_config
     from kvguard.wire.schemas import decode
 
     server = redis_server()
     server.stop()  # down before the policy comes up
     settings = Settings()
-    ledger = RedisBudgetLedger(server.url, BudgetConfig.from_settings(settings), retry_interval_s=0.0)
+    ledger = RedisBudgetLedger(server.url, budget_config(settings), retry_interval_s=0.0)
     service = PolicyService(PolicyEngine(EngineConfig(dynamic_units=1000), SECRET), settings, ledger=ledger)
     fragmented = [decode("metrics", hot_tick(ts_s).replace(b'"f_ext":0.3', b'"f_ext":0.9')).to_tick()
                   for ts_s in range(10, 110, 10)]

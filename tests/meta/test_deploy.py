@@ -160,6 +160,36 @@ def test_the_worker_compacts_its_changelog_wherever_the_broker_is_kafka():
     assert "--compact-changelog" in documents(DEPLOY / "compose.yaml")[0]["services"]["worker"]["command"]
 
 
+def test_the_settings_file_lists_every_section_of_the_settings():
+    import tomllib
+
+    sections = set(tomllib.loads((DEPLOY / "kvguard.toml").read_text()))
+    assert sections == set(Settings.model_fields), f"missing {set(Settings.model_fields) - sections}"
+
+
+def test_the_configmap_holds_the_settings_file_verbatim():
+    config = by_kind(base_resources(), "ConfigMap")["kvguard-config"]
+    assert config["data"]["kvguard.toml"] == (DEPLOY / "kvguard.toml").read_text()
+
+
+def test_the_deployed_worker_runs_the_shipped_predictor_at_its_calibrated_threshold():
+    from kvguard.runtime.bootstrap import bootstrap
+    from kvguard.streams.loader import SHIPPED_DIR
+
+    worker = by_kind(base_resources(), "Deployment")["kvguard-worker"]
+    compose = documents(DEPLOY / "compose.yaml")[0]["services"]["worker"]["command"]
+    for args in (containers(worker)[0]["args"], compose):
+        assert "--no-predictor" not in args and "--model" not in args, args
+    graph = bootstrap(Settings.load(DEPLOY / "kvguard.toml", env={}))  # the worker's default
+    calibrated = json.loads((SHIPPED_DIR / "oom_trees.json").read_text())["threshold"]
+    assert graph.predictor is not None, graph.predictor_note
+    assert graph.core_config().thresholds.p_oom == calibrated
+    # the policy builds the same graph: its SLO labels predictions where the workers' tier 3 fires
+    from kvguard.policy.slo import MemorySloLedger
+
+    assert graph.slo_recorder(MemorySloLedger()).threshold == calibrated
+
+
 def test_strimzi_topics_match_the_settings_and_compact_the_changelog():
     settings = Settings.load(DEPLOY / "kvguard.toml", env={})
     topics = {d["spec"]["topicName"]: d for d in documents(DEPLOY / "k8s-overlays" / "prod" / "kafka-topics.yaml")}

@@ -103,10 +103,11 @@ def test_config_errors_name_the_field(field, value):
 
 def test_config_from_kvguard_settings():
     from kvguard.config.settings import Settings
+    from kvguard.runtime.mapping import budget_config
 
     settings = Settings(budget={"minutes_per_week": 30, "f_ext_threshold": 0.6,
                                 "retention_weeks": 3, "key_prefix": "prod:budget"})
-    config = BudgetConfig.from_settings(settings)
+    config = budget_config(settings)
     assert (config.budget_s, config.threshold, config.retention_weeks, config.key_prefix) == (
         1800.0, 0.6, 3, "prod:budget:")
 

@@ -13,6 +13,7 @@ from kvguard.config.settings import Settings
 from kvguard.contracts.events import EventBatch
 from kvguard.contracts.events import EventKind as K
 from kvguard.contracts.units import NS_PER_S
+from kvguard.runtime.mapping import stream_config
 from kvguard.wire.schemas import DecodeError, DlqRecord, batch_headers, decode, decode_batch, encode_batch
 from tests.unit.streams.test_stream_hostile import two_node_stream
 
@@ -97,7 +98,7 @@ async def run_streams(records: list[tuple[str, bytes, list]], settings=None):
     bus = InprocBus.from_settings(settings)
     for key, value, headers in records:
         await bus.publish(settings.topics.name("events"), key, value, headers)
-    service = StreamsService(bus, settings, max_records=7)
+    service = StreamsService(bus, settings, config=stream_config(settings), max_records=7)
     await asyncio.wait_for(service.run(idle_timeout_s=0.4), timeout=20)
     metrics = await bus.subscribe([settings.topics.name("metrics")], "m").getmany(max_records=10**6, timeout_s=0)
     return service, bus, settings, sorted(r.value for r in metrics)
@@ -144,7 +145,7 @@ async def test_the_stream_service_dead_letters_a_batch_that_raises(monkeypatch):
     bus = InprocBus.from_settings(settings)
     from kvguard.streams.embedded import StreamsService
 
-    service = StreamsService(bus, settings, max_records=1)
+    service = StreamsService(bus, settings, config=stream_config(settings), max_records=1)
     for b in clean:
         await bus.publish(settings.topics.name("events"), *wire(b))
     await asyncio.wait_for(service.run(idle_timeout_s=0.4), timeout=20)
@@ -192,14 +193,13 @@ class Event:
 
 def faust_worker(settings=None):
     from kvguard.streams.app import StreamsWorker
-    from kvguard.streams.core import StreamConfig
 
     settings = settings or Settings()
 
     async def no_fetch_back(*args):
         return []
 
-    return StreamsWorker(settings, StreamConfig.from_settings(settings.streams), None, table=FakeTable(),
+    return StreamsWorker(settings, stream_config(settings), None, table=FakeTable(),
                          metrics_topic=FakeTopic(), alerts_topic=FakeTopic(), dlq_topic=FakeTopic(),
                          fetch_back=no_fetch_back)
 
@@ -335,7 +335,7 @@ def test_policy_engine_state_is_capped_and_idle_nodes_are_forgotten():
     held = [engine._last_ts, engine._epoch, engine._held, engine._calm, engine.modes._nodes]
     assert all(len(d) <= 10 for d in held), [len(d) for d in held]
     assert engine.counters.nodes_evicted_cap == 290
-    assert len(service._seen_at) <= 10
+    assert len(service.idle_sweep) <= 10
     service.forget_idle(now_s=10**12)
     assert engine._last_ts == {} and engine.counters.nodes_evicted_idle == 10
     assert isinstance(decode("metrics", tick()), MetricTick)
@@ -396,7 +396,7 @@ async def test_the_stream_service_evicts_nodes_idle_past_its_timeout():
     from kvguard.streams.embedded import StreamsService
 
     settings = Settings.load(env={"KVGUARD_STREAMS__NODE_IDLE_TIMEOUT_S": "60"})
-    service = StreamsService(InprocBus.from_settings(settings), settings)
+    service = StreamsService(InprocBus.from_settings(settings), settings, config=stream_config(settings))
     first = node_a()[0]
     records = []
     for i, node in enumerate(("p", "q")):
@@ -404,7 +404,7 @@ async def test_the_stream_service_evicts_nodes_idle_past_its_timeout():
         records.append(_record_of(settings, i, batch))
     await service.handle(records)
     assert sorted(service.core.nodes) == ["p", "q"]
-    service._seen_at["p"] -= 120  # p's last batch two minutes ago
+    service.idle_sweep.seen_at["p"] -= 120  # p's last batch two minutes ago
     assert service.evict_idle(time.monotonic()) == ["p"]
     assert sorted(service.core.nodes) == ["q"] and service.counters.nodes_evicted_idle == 1
 

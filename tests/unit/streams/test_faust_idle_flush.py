@@ -6,6 +6,7 @@ import orjson
 import pytest
 
 from kvguard.config.settings import ConfigError, Settings
+from kvguard.runtime.mapping import stream_config
 from kvguard.streams.app import StreamsWorker, idle_flush_s
 from kvguard.streams.core import NodeState, StreamConfig, StreamCore
 from kvguard.streams.outputs import encode_tick
@@ -41,7 +42,7 @@ def make_worker(clock: Clock, highwater=None) -> StreamsWorker:
     async def no_fetch_back(*args):
         return []
 
-    return StreamsWorker(settings, StreamConfig.from_settings(settings.streams), None, table=FakeTable(),
+    return StreamsWorker(settings, stream_config(settings), None, table=FakeTable(),
                          metrics_topic=FakeTopic(), alerts_topic=FakeTopic(), dlq_topic=FakeTopic(),
                          fetch_back=no_fetch_back, highwater=highwater, clock=clock)
 
@@ -150,6 +151,6 @@ async def test_a_flushed_node_that_resumes_goes_on_with_the_next_interval():
 
 def test_idle_flush_defaults_to_two_ticks_and_must_be_positive():
     settings = Settings.load(env={"KVGUARD_STREAMS__TICK_S": "3"})
-    assert idle_flush_s(settings, StreamConfig.from_settings(settings.streams)) == 6
+    assert idle_flush_s(settings, stream_config(settings)) == 6
     with pytest.raises(ConfigError, match=r"streams.idle_flush_s: must be > 0 \(from env KVGUARD_STREAMS__IDLE_FLUSH_S\)"):
         Settings.load(env={"KVGUARD_STREAMS__IDLE_FLUSH_S": "0"})

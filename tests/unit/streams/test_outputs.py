@@ -7,6 +7,7 @@ from kvguard.bus.inproc import InprocBus
 from kvguard.config.settings import Settings
 from kvguard.runtime.bootstrap import bootstrap
 from kvguard.runtime.embedded import demo_workload, run_embedded
+from kvguard.runtime.mapping import stream_config
 from kvguard.streams.embedded import StreamsService
 from kvguard.wire.schemas import batch_headers, encode_batch
 
@@ -28,7 +29,7 @@ def test_the_demo_loop_and_the_bus_service_publish_the_same_alert_records_under_
         bus = InprocBus.from_settings(settings)
         for b in batches:
             await bus.publish(settings.topics.name("events"), b.node, encode_batch(b), batch_headers(b))
-        await StreamsService(bus, settings).run(idle_timeout_s=0.3)
+        await StreamsService(bus, settings, config=stream_config(settings)).run(idle_timeout_s=0.3)
         return bus
 
     service_bus = asyncio.run(through_the_service())

@@ -223,14 +223,15 @@ def test_process_many_merges_contiguous_batches_without_changing_ticks():
 
 def test_config_maps_from_settings():
     from kvguard.config.settings import Settings
+    from kvguard.runtime.mapping import stream_config
 
     settings = Settings.load(env={"KVGUARD_STREAMS__TICK_S": "5", "KVGUARD_STREAMS__FRAG_FOR_S": "60",
                                   "KVGUARD_PREDICTOR__THRESHOLD": "0.4"})
-    config = StreamConfig.from_settings(settings.streams, settings.predictor)
+    config = stream_config(settings)
     assert config.tick_s == 5 and config.thresholds.frag_for_s == 60 and config.thresholds.p_oom == 0.4
     assert config.reserved_frac is None  # not set: each geometry's own reserve (Ψ equals the pool's)
     explicit = Settings.load(env={"KVGUARD_STREAMS__RESERVED_FRAC": "0.08"})
-    assert StreamConfig.from_settings(explicit.streams).reserved_frac == 0.08
+    assert stream_config(explicit).reserved_frac == 0.08
 
 
 def test_metrics_cli_prints_tick_and_alert_lines_for_an_event_log(tmp_path):

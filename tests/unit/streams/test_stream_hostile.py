@@ -156,8 +156,9 @@ def test_per_node_state_is_capped_and_idle_nodes_are_forgotten():
 
 def test_the_cap_and_the_epoch_bound_come_from_settings():
     from kvguard.config.settings import Settings
+    from kvguard.runtime.mapping import stream_config
 
     s = Settings.load(env={"KVGUARD_STREAMS__MAX_NODES": "7", "KVGUARD_STREAMS__MAX_EPOCH_JUMP": "1000",
                            "KVGUARD_STREAMS__MAX_BATCH_EVENTS": "50"})
-    config = StreamConfig.from_settings(s.streams, s.predictor)
+    config = stream_config(s)
     assert (config.max_nodes, config.max_epoch_jump, config.limits.max_batch_events) == (7, 1000, 50)

@@ -211,12 +211,13 @@ def test_commands_with_random_contents_are_refused_or_acked(records, signed):
 def test_the_stream_service_accounts_for_every_record(records):
     from kvguard.bus.inproc import InprocBus
     from kvguard.config.settings import Settings
+    from kvguard.runtime.mapping import stream_config
     from kvguard.streams.embedded import StreamsService
 
     async def run():
         settings = Settings()
         bus = InprocBus.from_settings(settings)
-        service = StreamsService(bus, settings)
+        service = StreamsService(bus, settings, config=stream_config(settings))
         for value in records:
             await bus.publish(settings.topics.name("events"), "n", value)
         await asyncio.wait_for(service.run(idle_timeout_s=0.2), timeout=8)

@@ -130,3 +130,38 @@ def test_fleet_summary_accounts_for_every_request():
     assert s.ooms >= 1 and s.rejected >= 1  # this stress crashes, so the new fields are exercised
     assert s.requests == s.completed + s.failed + s.rejected + s.unfinished
     assert s.unfinished == sum(len(e._waiting) + len(e._running) + len(e._swapped) for e in fleet.engines)
+
+
+def _times(fleet, end_s, step_s, **kw):
+    return [now / NS_PER_S for now, _ in fleet.steps(int(end_s * NS_PER_S), step_ns=int(step_s * NS_PER_S), **kw)]
+
+
+def test_the_run_loop_yields_what_advancing_by_hand_gives():
+    by_hand, looped = _fleet(), _fleet()
+    expected = _run(by_hand, until_s=120, flush_s=10)
+    got = [b for _, batches in looped.steps(120 * NS_PER_S, step_ns=10 * NS_PER_S) for b in batches]
+    assert [(b.node, b.seq) for b in got] == [(b.node, b.seq) for b in expected]
+    assert all(x.events.tobytes() == y.events.tobytes() for x, y in zip(got, expected))
+    assert looped.summary() == by_hand.summary()
+
+
+def test_the_run_loop_ends_at_the_end_with_clamp_and_a_whole_step_past_it_without():
+    assert _times(_fleet(), 25, 10, clamp=True) == [10, 20, 25]
+    assert _times(_fleet(), 25, 10) == [10, 20, 30]
+    assert _times(_fleet(), 30, 10, clamp=True) == _times(_fleet(), 30, 10) == [10, 20, 30]
+
+
+def test_the_run_loop_takes_no_step_past_a_reached_end_unless_draining():
+    fleet = _fleet()
+    _times(fleet, 30, 10)
+    assert _times(fleet, 30, 10) == []
+    assert _times(fleet, 40, 10) == [40]
+
+
+def test_draining_goes_on_past_the_end_until_the_fleet_is_idle_or_the_cap():
+    drained = _fleet()
+    times = _times(drained, 60, 10, drain=True, drain_cap_ns=3600 * NS_PER_S)
+    assert times[-1] > 60 and drained.idle()
+    capped = _fleet()
+    assert _times(capped, 60, 10, drain=True, drain_cap_ns=70 * NS_PER_S)[-1] == 70
+    assert not capped.idle()

@@ -91,9 +91,10 @@ def test_one_batch_behind_the_clock_does_not_rebase_it():
 
 def test_the_skew_is_configured_and_checked():
     from kvguard.config.settings import Settings
+    from kvguard.runtime.mapping import stream_config
 
     s = Settings.load(env={"KVGUARD_STREAMS__MAX_TS_SKEW_S": "120"})
-    assert StreamConfig.from_settings(s.streams, s.predictor).max_ts_skew_ns == 120 * NS_PER_S
+    assert stream_config(s).max_ts_skew_ns == 120 * NS_PER_S
     with pytest.raises(StreamConfigError, match="max_ts_skew_s"):
         StreamConfig(tick_s=10.0, max_ts_skew_s=5.0)
 

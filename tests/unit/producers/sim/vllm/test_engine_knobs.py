@@ -53,7 +53,7 @@ def test_prompt_logprobs_beyond_the_profiled_peak_oom_in_the_allocator_and_expan
     """vllm#5907 / #5067: vLLM's profiling run has no prompt logprobs, so at a tight
     gpu_memory_utilization their logits (tokens x vocab x 6 B) find no room; the OOMs are the
     allocator's, each with its cause, and never a KV shortage."""
-    from kvguard.cli.simulate import run_simulation
+    from kvguard.runtime.simulation import run_simulation
 
     runs = {conf: run_simulation("azure-conv", gpus=2, duration_s=600.0, rate_scale=2.0, profile_name=VLLM,
                                  knobs=EngineKnobs(gpu_memory_utilization=0.95, allocator_conf=conf),
