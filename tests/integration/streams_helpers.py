@@ -67,7 +67,8 @@ async def publish_batches(settings, batches: list[EventBatch], extra: list[tuple
 class WorkerProcess:
     """``kvguard worker`` as a real process (so a test can SIGKILL it)."""
 
-    def __init__(self, settings, app_id: str, directory: Path, *, checkpoint_every_ticks: int = 2, name: str = "w"):
+    def __init__(self, settings, app_id: str, directory: Path, *, checkpoint_every_ticks: int = 2, name: str = "w",
+                 predictor: bool = False):
         self.dir = Path(directory) / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config = self.dir / "settings.json"
@@ -81,6 +82,7 @@ class WorkerProcess:
         self.app_id = app_id
         self.checkpoint_every_ticks = checkpoint_every_ticks
         self.name = name
+        self.predictor = predictor
         self.logs: list[Path] = []
         self.proc: subprocess.Popen | None = None
 
@@ -91,9 +93,9 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from kvguard.cli import main; main()", "worker", "--config", str(self.config), "--app-id", self.app_id,
              "--checkpoint-every-ticks", str(self.checkpoint_every_ticks), "--loglevel", "info",
-             # no tier 3: these tests compare the ticks with the embedded core's without a predictor
-             # (expected_records); test_worker_shipped_settings runs the worker as deployed
-             "--datadir", str(self.dir / "data"), "--no-predictor"],
+             # no tier 3 unless asked: most tests compare the ticks with the embedded core's without a
+             # predictor (expected_records); test_worker_shipped_settings runs the worker as deployed
+             "--datadir", str(self.dir / "data"), *([] if self.predictor else ["--no-predictor"])],
             stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
             start_new_session=True)
         return self

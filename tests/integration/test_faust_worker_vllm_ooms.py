@@ -34,7 +34,7 @@ async def test_the_worker_with_the_shipped_predictor_publishes_every_tick_of_a_v
     expected_ticks = [t for b in batches for t in core.process(b)[0]]
     expected = keyed(encode_tick(t) for t in expected_ticks)
     assert ooms(batches) >= 4 and sum(t.ooms for t in expected_ticks) >= 2 and {k[1] for k in expected} == {0, 1}
-    worker = WorkerProcess(settings, f"kvg-{uuid.uuid4().hex[:8]}", tmp_path)
+    worker = WorkerProcess(settings, f"kvg-{uuid.uuid4().hex[:8]}", tmp_path, predictor=True)
     try:
         async with OutputReader(settings, "reader") as out:
             await publish_batches(settings, batches)

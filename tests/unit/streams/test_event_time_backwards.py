@@ -12,6 +12,7 @@ import pytest
 
 from kvguard.config.settings import ConfigError, Settings
 from kvguard.contracts.units import NS_PER_S
+from kvguard.runtime.mapping import stream_config
 from kvguard.streams.core import NodeState, StreamConfig, StreamConfigError, StreamCore
 from kvguard.streams.outputs import encode_tick
 from kvguard.wire.schemas import decode
@@ -103,8 +104,8 @@ def test_the_late_count_of_an_open_interval_survives_the_checkpoint():
 def test_the_tolerance_defaults_to_one_tick_comes_from_settings_and_is_checked():
     assert StreamConfig(tick_s=5.0).max_ts_backwards_ns == 5 * NS_PER_S
     s = Settings.load(env={"KVGUARD_STREAMS__MAX_TS_BACKWARDS_S": "45"})
-    assert StreamConfig.from_settings(s.streams).max_ts_backwards_ns == 45 * NS_PER_S
-    assert StreamConfig.from_settings(Settings().streams).max_ts_backwards_s is None
+    assert stream_config(s).max_ts_backwards_ns == 45 * NS_PER_S
+    assert stream_config(Settings()).max_ts_backwards_s is None
     with pytest.raises(StreamConfigError) as err:
         StreamConfig(max_ts_backwards_s=-1.0)
     assert err.value.field_name == "max_ts_backwards_s"

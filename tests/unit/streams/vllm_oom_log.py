@@ -28,7 +28,8 @@ def vllm_run(seed: int, *, seconds: int = SECONDS, gpus: int = GPUS) -> list[Eve
     fleet.submit_workload(load_workload("azure-conv", window=seconds, seed=seed,
                                         max_prompt_tokens=prompt_cap_tokens(profile)))
     batches: list[EventBatch] = []
-    fleet.run(seconds * NS_PER_S, step_ns=STEP_S * NS_PER_S, drain=False, on_batches=batches.extend)
+    for _, step in fleet.steps(seconds * NS_PER_S, step_ns=STEP_S * NS_PER_S):
+        batches.extend(step)
     return batches
 
 
