@@ -169,7 +169,8 @@ def test_the_settings_file_lists_every_section_of_the_settings():
 
 def test_the_configmap_holds_the_settings_file_verbatim():
     config = by_kind(base_resources(), "ConfigMap")["kvguard-config"]
-    assert config["data"]["kvguard.toml"] == (DEPLOY / "kvguard.toml").read_text()
+    assert config["data"]["kvguard.toml"] == (DEPLOY / "kvguard.toml").read_text(), \
+        "run python scripts/sync-configmap.py after editing deploy/kvguard.toml"
 
 
 def test_the_deployed_worker_runs_the_shipped_predictor_at_its_calibrated_threshold():
