@@ -4,8 +4,9 @@ Two protocols, one per caller:
 
 - ``ActuationPort``: what the executor (``actuators.executor``) calls to carry out a command, between
   the engine's steps, on the engine's thread. Every engine implements every method; a knob it does
-  not have raises ``KnobUnavailable`` and is declared absent in its ``Capabilities``, so the executor
-  never calls it and acks NOOP with the engine's own reason instead.
+  not have is declared absent in its ``Capabilities``, so the executor never calls it and acks NOOP
+  with the engine's own reason instead (the method raises ``KnobUnavailable``, or, where the engine's
+  API already had it as an explicit no-op, does nothing).
 - ``EnginePort``: a shadow engine the simulated fleet runs (``producers.sim``): the actuation port
   plus requests in, steps, event rows out and the run's summary.
 
@@ -19,6 +20,7 @@ Pure: standard library only (the pool value types are named for type checkers on
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -192,6 +194,16 @@ class EnginePort(ActuationPort, Protocol):
 
     def summary(self) -> Any:
         """The run's outcomes (``producers.sim.run.RunSummary``)."""
+        ...
+
+    @property
+    def ooms_by_cause(self) -> Mapping[str, int]:
+        """OOMs by ``layer:cause`` (``allocator:fragmentation``, ``kv_arena:peak``, …)."""
+        ...
+
+    @property
+    def rejected_by_reason(self) -> Mapping[str, int]:
+        """Requests refused at arrival, by reason (empty where the engine records none)."""
         ...
 
 

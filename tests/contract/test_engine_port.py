@@ -50,7 +50,7 @@ from kvguard.contracts.commands import (
     sign,
 )
 from kvguard.contracts.dimensions import Granularity, HandlingChoice
-from kvguard.contracts.engine import ActuationPort, Capabilities
+from kvguard.contracts.engine import ActuationPort, Capabilities, EnginePort
 from kvguard.contracts.events import EVENT_DTYPE, EventKind, Outcome
 from kvguard.contracts.units import NS_PER_S
 from kvguard.producers.sim.profiles import load_profile, profile_names
@@ -237,6 +237,19 @@ def decoding(s: Subject, n: int = 2, prompt: int = SHORT) -> list[int]:
 def test_every_registered_kind_and_the_plugin_have_a_subject_and_every_knob_a_subject_that_offers_it():
     assert set(KINDS) <= set(SUBJECTS) == set(DECLARED) and "vllm-plugin" in SUBJECTS
     assert all(offering(action) for action in Action)
+
+
+def port_members(port: type) -> set[str]:
+    """The names a protocol of kvguard.contracts.engine asks for (its own and its bases')."""
+    ports = [cls for cls in port.__mro__ if cls in (ActuationPort, EnginePort)]
+    return {n for cls in ports for n in [*vars(cls), *getattr(cls, "__annotations__", {})] if not n.startswith("_")}
+
+
+def test_the_engine_implements_the_port(subject):
+    port = EnginePort if isinstance(subject, SimSubject) else ActuationPort
+    assert port_members(ActuationPort) >= {"evict_request", "pool_units", "capabilities", "empty_cache"}
+    missing = {name for name in port_members(port) if not hasattr(subject.engine, name)}
+    assert not missing, f"{subject.name} lacks {sorted(missing)} of {port.__name__}"
 
 
 def test_the_engine_declares_capabilities_and_its_pool(subject):

@@ -35,7 +35,7 @@ STEP rows in order. Time only comes from the workload and the step-time model, n
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -656,6 +656,17 @@ class Engine:
     @property
     def pool_units(self) -> int:
         return self.dynamic_units
+
+    @property
+    def ooms_by_cause(self) -> Counter[str]:
+        """OOMs by ``layer:cause``: KV-arena runs, ``fragmentation`` when the free units would have
+        sufficed, ``peak`` otherwise (the vLLM engine's keys name the allocator's causes)."""
+        return Counter("kv_arena:fragmentation" if o["fragmentation"] else "kv_arena:peak" for o in self.oom_log)
+
+    @property
+    def rejected_by_reason(self) -> Counter[str]:
+        """Rejections by reason: this engine records none (its ``rejected`` count has them all)."""
+        return Counter()
 
     # the knobs this engine does not have (SEED_CAPABILITIES): the executor never calls them
 
