@@ -12,7 +12,14 @@ Checks, in order, each counted and acked with its reason (never an exception, ne
 5. not expired (``rejected_expired``): ``now > issued_at + ttl`` on the node's clock;
 6. not from the future (``rejected_future``): ``issued_at`` at most ``max_skew_ns`` ahead of
    the node's clock, and not valid for longer than ``max_ttl_ns`` (``rejected_ttl``): together
-   they bound how long any signed command can stay usable.
+   they bound how long any signed command can stay usable;
+7. within this node's bounds (``rejected_payload``, ``Executor.refusal``): no headroom, target,
+   reclaim or compaction larger than the engine's pool. Refused before it is journaled: nothing
+   changed, and a corrected command may use the same id.
+
+A record whose payload breaks the static bounds (a negative hold, a headroom of 2^63) is not a
+command at all: it fails to decode (``CommandError``), is counted ``malformed`` and dead-lettered
+with the reason by ``run_actuators``, and nothing runs.
 
 Delivery is at-least-once (a consumer restart re-delivers what was not committed), so effects
 must be applied at most once per id. The id is written to the journal — a small append-only file
@@ -119,6 +126,7 @@ class ActuatorCounters:
     rejected_future: int = 0
     rejected_ttl: int = 0
     errors: int = 0  # records whose handling raised (dead-lettered by run_actuators)
+    rejected_payload: int = 0  # numbers beyond this node's bounds (the executor refused before acting)
 
     def as_dict(self) -> dict[str, int]:
         """Every counter; those after ``units_moved`` only when non-zero, so summaries keep the
@@ -178,6 +186,9 @@ class Actuator:
             return self._reject(command, now_ns, started, AckOutcome.REJECTED_TTL,
                                 f"ttl {command.ttl_ns / NS_PER_S:g} s is longer than {self.max_ttl_ns / NS_PER_S:g} s "
                                 "(node.command_max_ttl_s)")
+        refused = self.executor.refusal(command)
+        if refused is not None:
+            return self._reject(command, now_ns, started, AckOutcome.REJECTED_PAYLOAD, refused)
         self.journal.record(command.id, command.expires_at_ns())
         try:
             result = self.executor.execute(command, now_ns)
@@ -195,6 +206,8 @@ class Actuator:
             self.counters.executed += 1
         elif result.outcome is AckOutcome.NOOP:
             self.counters.noop += 1
+        elif result.outcome is AckOutcome.REJECTED_PAYLOAD:
+            self.counters.rejected_payload += 1
         else:
             self.counters.failed += 1
         self.counters.units_freed += result.units_freed

@@ -1,45 +1,70 @@
-"""Carry out one verified command against a node's shadow engine and its paged pool.
+"""Carry out one verified command on a node's engine, through the engine port (kvguard.contracts.engine).
 
-The executor translates a command's intent into engine/pool calls; it never checks signatures,
-TTLs or duplicates (``actuators.actuator`` does that before calling it) and never reads a clock.
+The executor translates a command's payload into port calls; it never checks signatures, TTLs or
+duplicates (``actuators.actuator`` does that before calling it) and never reads a clock. Each action
+maps to one typed method of the port (the table in ``Executor.__init__``), and runs only where the
+engine's ``Capabilities`` say it has the knob: elsewhere the ack is NOOP with the engine's reason.
 
-* ``evict``: for each target, free memory at the command's granularity and handling:
-  - request: every page (``Engine.evict_request(granularity="request")``); the request goes back
-    to the waiting queue (recompute), the swapped queue (swap, checkpoint) and returns later;
+Check, then act: a payload whose numbers exceed what this node has (a headroom, a target's units,
+a reclaim or a compaction larger than its pool of ``pool_units``) is refused as REJECTED_PAYLOAD
+with the reason before anything changes. Static bounds (negative numbers, absurd sizes) never get
+here: the payload refuses them when it is built (``kvguard.contracts.commands``).
+
+* ``evict``: for each target, free memory at the payload's granularity and handling:
+  - request: every page (``evict_request(granularity="request")``); the request goes back to the
+    waiting queue (recompute), the swapped queue (swap, checkpoint) and returns later;
   - block: the tail pages that cover the target's units (all private pages when units = 0),
     never the shared prefix: the request keeps its prefix and re-prefills only the tail;
   - token: the least recently written private page runs covering the units (the oldest
     non-shared pages of its page table).
-  A swap that finds the host swap space full falls back to recompute (noted in the errors).
-  A target that already finished (or is not running any more) is a no-op, never an error.
+  A granularity the engine does not offer is a NOOP with its reason; a handling it does not offer
+  is carried out as recompute, with a note. A swap that finds the host swap space full falls back
+  to recompute (noted). A target that already finished (or is not running any more) is a no-op,
+  never an error.
 * ``compact``: migrate up to ``max_moves`` pages so that free runs coalesce.
-* ``reclaim``: drop up to ``units_needed`` units of cached prefix pages.
-* ``headroom``: hold ``units_needed`` units back from admission on top of the engine's own
-  watermark (0 releases it). Evicted requests go back to the engine's queues and are re-admitted
-  as soon as the free-space count allows, so without this an eviction only buys time; with it
-  the freed space stays free and the next step's workspace and pages find contiguous room.
-
+* ``reclaim``: drop up to ``units`` units of cached prefix pages.
+* ``headroom``: hold ``units`` back from admission on top of the engine's own watermark (0
+  releases it). Evicted requests go back to the engine's queues and are re-admitted as soon as the
+  free-space count allows, so without this an eviction only buys time; with it the freed space
+  stays free and the next step's workspace and pages find contiguous room.
 * ``batch_cap``: cap the engine's per-step token budget (vLLM's ``max_num_batched_tokens``).
-* ``hold`` / ``release``: hold admissions of prompts longer than ``units_needed`` tokens (0: all,
-  a drain) for ``max_moves`` steps, or end the hold (``hold_admissions``, ``release_admissions``).
-* ``abort``: end each target's request now (``abort_request``; a finished one is a no-op).
-* ``empty_cache``: return cached allocator segments to the device (``empty_cache``).
-An engine without the entry point an action needs acks NOOP with the reason.
+* ``hold`` / ``release``: hold admissions of prompts longer than ``max_prompt_tokens`` (0: all, a
+  drain) for ``steps`` steps, or end the hold.
+* ``abort``: end each request now (a finished one is a no-op).
+* ``empty_cache``: return cached allocator segments to the device.
 
-Every change the pool makes is recorded as events (EVICT, SWAP_OUT, MIGRATE, RECLAIM, …), so
-executed actions reach ``kvguard.events`` through the node's producer like any other event.
+Every NOOP and FAILED result says why in ``errors``. Every change the engine makes is recorded as
+events (EVICT, SWAP_OUT, MIGRATE, RECLAIM, …), so executed actions reach ``kvguard.events`` through
+the node's producer like any other event.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from kvguard.contracts.commands import AckOutcome, Action, Command, Target
+from kvguard.contracts.commands import (
+    AbortPayload,
+    AckOutcome,
+    Action,
+    BatchCapPayload,
+    Command,
+    CompactPayload,
+    EmptyCachePayload,
+    EvictPayload,
+    HeadroomPayload,
+    HoldPayload,
+    ReclaimPayload,
+    ReleasePayload,
+    Target,
+)
 from kvguard.contracts.dimensions import Granularity, HandlingChoice
+from kvguard.contracts.engine import ActuationPort
 from kvguard.contracts.events import Handling
-from kvguard.contracts.pool_types import PageState, SwapFull, UnknownRequest
+from kvguard.contracts.pool_types import PageInfo, PageState, SwapFull, UnknownRequest
 
+NO_CACHE_TO_EMPTY = "empty_cache: no CUDA in this process (or the worker is down): nothing to release"
 HANDLINGS: dict[HandlingChoice, Handling] = {
     HandlingChoice.RECOMPUTE: Handling.RECOMPUTE,
     HandlingChoice.SWAP: Handling.SWAP,
@@ -58,44 +83,72 @@ class ExecutionResult:
 
 
 class Executor:
-    """Executes commands on one engine (``producers.sim.seed.engine.Engine``: ``evict_request``,
-    ``compact``, ``pool``)."""
+    """Executes commands on one engine through its port."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: ActuationPort) -> None:
         self.engine = engine
-        self._actions: dict[Action, Callable[[Command, int], ExecutionResult]] = {
+        self._actions: dict[Action, Callable[[Any, int], ExecutionResult]] = {
             Action.EVICT: self._evict,
             Action.COMPACT: self._compact,
             Action.RECLAIM: self._reclaim,
             Action.HEADROOM: self._headroom,
-            Action.BATCH_CAP: self._knob("set_batch_token_cap", "batch_cap: this engine has no per-step token "
-                                                                "budget to cap"),
-            Action.HOLD: self._knob("hold_admissions", "hold: this engine has no admission hold"),
+            Action.BATCH_CAP: self._batch_cap,
+            Action.HOLD: self._hold,
             Action.RELEASE: self._release,
             Action.ABORT: self._abort,
             Action.EMPTY_CACHE: self._empty_cache,
         }
 
     def execute(self, command: Command, now_ns: int) -> ExecutionResult:
-        return self._actions[command.action](command, now_ns)
+        refused = self.refusal(command)
+        if refused is not None:
+            return ExecutionResult(AckOutcome.REJECTED_PAYLOAD, errors=(refused,))
+        missing = self.engine.capabilities.lacks(command.action)
+        if missing is not None:
+            return _result(0, 0, 0, _subjects(command), [missing])
+        return self._actions[command.action](command.payload, now_ns)
+
+    def refusal(self, command: Command) -> str | None:
+        """Why this node refuses the payload's numbers (more than its pool holds), or None."""
+        sized = POOL_SIZED.get(type(command.payload))
+        if sized is None:
+            return None
+        pool = self.engine.pool_units
+        for what, number in sized(command.payload):
+            if number > pool:
+                return (f"{command.action.value}: {what} {number} exceeds this node's pool of {pool} units "
+                        "(refused, nothing changed)")
+        return None
 
     # -- actions -----------------------------------------------------------------------------
 
-    def _evict(self, command: Command, now_ns: int) -> ExecutionResult:
-        return _per_target(command, lambda target: self._evict_one(target, command, now_ns))
+    def _evict(self, payload: EvictPayload, now_ns: int) -> ExecutionResult:
+        capabilities = self.engine.capabilities
+        if payload.granularity not in capabilities.evict_granularities:
+            offered = ", ".join(sorted(g.value for g in capabilities.evict_granularities))
+            why = capabilities.note("evict_granularities")
+            return _result(0, 0, 0, len(payload.targets),
+                           [f"evict at {payload.granularity.value} granularity: {why} (offered: {offered})"])
+        handling, notes = HANDLINGS[payload.handling], []
+        if payload.handling not in capabilities.evict_handlings:
+            handling = Handling.RECOMPUTE
+            notes.append(f"evict: {payload.handling.value} {capabilities.note('evict_handlings')}: recomputed instead")
+        result = _per_target(payload.targets, lambda target: self._evict_one(target, payload.granularity, handling,
+                                                                              now_ns))
+        return _with_notes(result, notes)
 
-    def _evict_one(self, target: Target, command: Command, now_ns: int) -> tuple[int | None, str]:
-        """Units freed from one target (None: nothing to do), and a note when it fell back."""
-        granularity = command.granularity
+    def _evict_one(self, target: Target, granularity: Granularity, handling: Handling,
+                   now_ns: int) -> tuple[int | None, str]:
+        """Units freed from one target (None: nothing to do), and a note (why not, or a fallback)."""
         pages: Any = None
+        idle = f"req {target.req}: not running (finished, waiting or unknown): nothing to free"
         if granularity is not Granularity.REQUEST:
             try:
                 pages = self._select_pages(target, granularity)
             except UnknownRequest:
-                return None, ""  # finished (or never here): nothing holds memory any more
+                return None, idle  # finished (or never here): nothing holds memory any more
             if not pages:
-                return None, ""
-        handling = HANDLINGS[command.handling]
+                return None, f"req {target.req}: no private pages to free at {granularity.value} granularity"
         note = ""
         try:
             result = self.engine.evict_request(target.req, now_ns, granularity=str(granularity),
@@ -106,71 +159,67 @@ class Executor:
             result = self.engine.evict_request(target.req, now_ns, granularity=str(granularity),
                                                handling=Handling.RECOMPUTE, pages=pages)
         if result.pages == 0:
-            return None, note
+            return None, note or idle
         return int(result.units_freed), note
 
-    def _compact(self, command: Command, now_ns: int) -> ExecutionResult:
-        moves = max(1, int(command.max_moves))
+    def _compact(self, payload: CompactPayload, now_ns: int) -> ExecutionResult:
         try:
-            moved = int(self.engine.compact(now_ns, moves))
+            moved = int(self.engine.compact(now_ns, payload.max_moves))
         except Exception as err:
             return _result(0, 0, 0, 0, [f"compact: {type(err).__name__}: {err}"])
-        return _result(0, moved, 1 if moved else 0, 0 if moved else 1, [])
+        if not moved:
+            return _result(0, 0, 0, 1, ["compact: nothing moved (no page could close a gap)"])
+        return _result(0, moved, 1, 0, [])
 
-    def _reclaim(self, command: Command, now_ns: int) -> ExecutionResult:
+    def _reclaim(self, payload: ReclaimPayload, now_ns: int) -> ExecutionResult:
         try:
-            freed = int(self.engine.pool.reclaim_cached(max(1, int(command.units_needed)), now_ns))
+            freed = int(self.engine.reclaim_cached(payload.units, now_ns))
         except Exception as err:
             return _result(0, 0, 0, 0, [f"reclaim: {type(err).__name__}: {err}"])
-        return _result(freed, 0, 1 if freed else 0, 0 if freed else 1, [])
+        if not freed:
+            return _result(0, 0, 0, 1, ["reclaim: no cached prefix pages to drop"])
+        return _result(freed, 0, 1, 0, [])
 
-    def _headroom(self, command: Command, now_ns: int) -> ExecutionResult:
-        self.engine.set_admission_headroom(max(0, int(command.units_needed)))
+    def _headroom(self, payload: HeadroomPayload, now_ns: int) -> ExecutionResult:
+        self.engine.set_admission_headroom(payload.units)
         return _result(0, 0, 1, 0, [])
 
-    def _knob(self, entry: str, missing: str) -> Callable[[Command, int], ExecutionResult]:
-        """An action that sets one engine knob to (``units_needed``, ``max_moves``): the token cap, the
-        admission hold. NOOP with ``missing`` when the engine has no such knob."""
-        def run(command: Command, now_ns: int) -> ExecutionResult:
-            setter = getattr(self.engine, entry, None)
-            if setter is None:
-                return _result(0, 0, 0, 1, [missing])
-            setter(max(0, int(command.units_needed)), max(0, int(command.max_moves)))
+    def _batch_cap(self, payload: BatchCapPayload, now_ns: int) -> ExecutionResult:
+        self.engine.set_batch_token_cap(payload.tokens, payload.steps)
+        return _result(0, 0, 1, 0, [])
+
+    def _hold(self, payload: HoldPayload, now_ns: int) -> ExecutionResult:
+        self.engine.hold_admissions(payload.max_prompt_tokens, payload.steps)
+        return _result(0, 0, 1, 0, [])
+
+    def _release(self, payload: ReleasePayload, now_ns: int) -> ExecutionResult:
+        if self.engine.release_admissions():
             return _result(0, 0, 1, 0, [])
-        return run
+        return _result(0, 0, 0, 1, ["release: no hold in place"])
 
-    def _release(self, command: Command, now_ns: int) -> ExecutionResult:
-        release = getattr(self.engine, "release_admissions", None)
-        if release is None:
-            return _result(0, 0, 0, 1, ["release: this engine has no admission hold"])
-        return _result(0, 0, 1, 0, []) if release() else _result(0, 0, 0, 1, [])
+    def _abort(self, payload: AbortPayload, now_ns: int) -> ExecutionResult:
+        def abort(target: Target) -> tuple[int | None, str]:
+            freed = self.engine.abort_request(target.req, now_ns)
+            return freed, "" if freed is not None else f"req {target.req}: not in the engine (finished or unknown)"
+        return _per_target(tuple(Target(r) for r in payload.requests), abort)
 
-    def _abort(self, command: Command, now_ns: int) -> ExecutionResult:
-        abort = getattr(self.engine, "abort_request", None)
-        if abort is None:
-            return _result(0, 0, 0, len(command.targets) or 1, ["abort: this engine cannot abort a request"])
-        return _per_target(command, lambda target: (abort(target.req, now_ns), ""))
-
-    def _empty_cache(self, command: Command, now_ns: int) -> ExecutionResult:
-        empty = getattr(self.engine, "empty_cache", None)
-        if empty is None:
-            return _result(0, 0, 0, 1, ["empty_cache: this engine has no caching allocator"])
+    def _empty_cache(self, payload: EmptyCachePayload, now_ns: int) -> ExecutionResult:
         try:
-            released = empty(now_ns)
+            released = self.engine.empty_cache(now_ns)
         except Exception as err:
             return _result(0, 0, 0, 0, [f"empty_cache: {type(err).__name__}: {err}"])
         if released is None:
-            return _result(0, 0, 0, 1, ["empty_cache: no CUDA in this process"])
+            return _result(0, 0, 0, 1, [NO_CACHE_TO_EMPTY])
         return _result(0, 0, 1, 0, [f"empty_cache: {int(released)} bytes returned to the device"])
 
     # -- page choice -------------------------------------------------------------------------
 
-    def _private_pages(self, req: int) -> list[Any]:
+    def _private_pages(self, req: int) -> list[PageInfo]:
         """The request's own live pages in page-table order (shared prefix pages excluded)."""
-        return [p for p in self.engine.pool.request_pages(req)
+        return [p for p in self.engine.request_pages(req)
                 if p.offset >= 0 and p.state is PageState.LIVE and p.refcount <= 1]
 
-    def _select_pages(self, target: Target, granularity: Granularity) -> Any:
+    def _select_pages(self, target: Target, granularity: Granularity) -> int | list[int] | None:
         private = self._private_pages(target.req)
         if not private:
             return None
@@ -178,7 +227,7 @@ class Executor:
         if granularity is Granularity.BLOCK:
             # the pool evicts the last N live pages: count them from the tail until the units are
             # covered, stopping at the first shared page (the prefix stays)
-            live = [p for p in self.engine.pool.request_pages(target.req) if p.state is PageState.LIVE]
+            live = [p for p in self.engine.request_pages(target.req) if p.state is PageState.LIVE]
             count = units = 0
             for p in reversed(live):
                 if units >= wanted or p.refcount > 1:
@@ -195,12 +244,31 @@ class Executor:
         return chosen
 
 
-def _per_target(command: Command, act: Callable[[Target], tuple[int | None, str]]) -> ExecutionResult:
-    """``act`` on each target: (units freed, or None for nothing to do; a note). One failing target
-    does not stop the others; its error goes into the ack."""
+# the payload numbers that count units of the node's pool, by payload type: none may exceed it
+POOL_SIZED: dict[type, Callable[[Any], list[tuple[str, int]]]] = {
+    HeadroomPayload: lambda p: [("headroom", p.units)],
+    ReclaimPayload: lambda p: [("reclaim", p.units)],
+    CompactPayload: lambda p: [("max_moves", p.max_moves)],
+    EvictPayload: lambda p: [(f"req {t.req}: units", t.units) for t in p.targets],
+}
+
+
+def _subjects(command: Command) -> int:
+    """What a NOOP of the whole command counts as not done: its targets, or the one action."""
+    payload = command.payload
+    if isinstance(payload, EvictPayload):
+        return len(payload.targets)
+    if isinstance(payload, AbortPayload):
+        return len(payload.requests)
+    return 1
+
+
+def _per_target(targets: Iterable[Target], act: Callable[[Target], tuple[int | None, str]]) -> ExecutionResult:
+    """``act`` on each target: (units freed, or None for nothing to do; a note, which a no-op
+    always has). One failing target does not stop the others; its error goes into the ack."""
     freed = done = noop = 0
     errors: list[str] = []
-    for target in command.targets:
+    for target in targets:
         try:
             units, note = act(target)
         except Exception as err:  # one bad target must not stop the others
@@ -214,6 +282,13 @@ def _per_target(command: Command, act: Callable[[Target], tuple[int | None, str]
             done += 1
             freed += int(units)
     return _result(freed, 0, done, noop, errors)
+
+
+def _with_notes(result: ExecutionResult, notes: list[str]) -> ExecutionResult:
+    if not notes:
+        return result
+    return ExecutionResult(result.outcome, result.units_freed, result.units_moved, result.targets_done,
+                           result.targets_noop, tuple(notes) + result.errors)
 
 
 def _result(freed: int, moved: int, done: int, noop: int, errors: list[str]) -> ExecutionResult:

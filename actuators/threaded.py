@@ -20,6 +20,10 @@ class EngineThreadExecutor:
         self.actions = actions
         self.timeout_s = timeout_s
 
+    def refusal(self, command: Any) -> str | None:
+        """The wrapped executor's bounds check (it reads only the pool's size, safe from any thread)."""
+        return self.executor.refusal(command)
+
     def execute(self, command: Any, now_ns: int) -> Any:
         if threading.get_ident() == self.actions.engine_thread:
             return self.executor.execute(command, now_ns)

@@ -28,6 +28,7 @@ with none in the fleet's 10 minutes before. Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -41,6 +42,8 @@ from kvguard.contracts.units import NS_PER_S
 from kvguard.ml.dataset import RunSpec, preset_small, preset_vllm, simulate_run
 from kvguard.ml.evaluation import DEFAULT_HORIZON_S, evaluate_fleet_risk, fleet_threshold, fleet_trace
 from kvguard.ml.fleet_risk import WINDOW_S, fleet_series
+from kvguard.producers.sim.profiles import load_profile
+from kvguard.producers.sim.registry import KINDS, engine_kind
 
 # Held-out fleets across load levels, quiet hours to overload (the preset's test runs have OOMs every few
 # minutes, so a fleet there is at risk nearly all the time and the label has few negatives)
@@ -48,15 +51,23 @@ VLLM_LOAD_SWEEP = (("azure-conv", (0.25, 0.5, 1.0, 1.5, 2.0), 0.005), ("mooncake
 SCORES = ("fleet_risk", "fleet_risk_without_down", "arrivals_per_up_gpu", "max_u_kv")
 
 
+# the multi-GPU runs of these presets, each counted for the engine kind its profile runs on
+FLEET_PRESETS = (preset_vllm, preset_small)
+
+
+@functools.cache
+def kind_of(profile: str) -> str:
+    return engine_kind(load_profile(profile)).name
+
+
 def engine_specs(engine: str, duration_s: float | None) -> list[RunSpec]:
-    if engine == "vllm":
-        specs = preset_vllm()
+    specs = [s for preset in FLEET_PRESETS for s in preset() if s.n_gpus > 1 and kind_of(s.profile) == engine]
+    if KINDS[engine].capabilities.prompt_logprobs:
+        # the load sweep varies the prompt-logprob share, which only an engine with a sampler serves
         template = next(s for s in specs if s.split == "test")
         sweep = [replace(template, workload=w, rate_scale=r, prompt_logprobs_frac=f, seed=0)
                  for w, rates, f in VLLM_LOAD_SWEEP for r in rates]
         specs = list({s.key(): s for s in specs + sweep}.values())
-    else:
-        specs = [s for s in preset_small() if s.n_gpus > 1]
     if duration_s is not None:
         specs = [replace(s, duration_s=duration_s) for s in specs]
     return specs
@@ -129,7 +140,7 @@ def engine_report(runs: list[dict], bootstrap: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--engines", default="vllm,seed", help="comma-separated: vllm, seed")
+    parser.add_argument("--engines", default=",".join(KINDS), help=f"comma-separated: {', '.join(KINDS)}")
     parser.add_argument("--duration-s", type=float, default=None,
                         help="simulated seconds per run (default: the preset's)")
     parser.add_argument("--workers", type=int, default=2)
@@ -137,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.monotonic()
     engines = [e for e in args.engines.split(",") if e]
-    unknown = set(engines) - {"vllm", "seed"}
+    unknown = set(engines) - set(KINDS)
     if unknown:
-        parser.error(f"--engines: unknown {sorted(unknown)}; expected vllm, seed")
+        parser.error(f"--engines: unknown {sorted(unknown)}; expected {', '.join(KINDS)}")
     jobs = [(e, spec) for e in engines for spec in engine_specs(e, args.duration_s)]
     with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
         runs = list(pool.map(run_fleet, jobs))

@@ -32,16 +32,17 @@ OPERATOR_UTILIZATION = 0.95
 
 def run_strategy(job: tuple) -> dict:
     from kvguard.producers.sim.profiles import EngineKnobs, load_profile
-    from kvguard.producers.sim.vllm.engine import VllmEngineConfig
+    from kvguard.producers.sim.registry import engine_kind
     from kvguard.runtime.bootstrap import bootstrap
     from kvguard.runtime.embedded import demo_workload, run_embedded
 
     choices, profile, gpus, duration_s = job
     logging.disable(logging.WARNING)
-    vllm = load_profile(profile).engine == "vllm"
+    kind = engine_kind(load_profile(profile))
     graph = bootstrap(profile=profile, predictor=None, strategy_overrides={"default": choices},
-                      knobs=EngineKnobs(gpu_memory_utilization=OPERATOR_UTILIZATION) if vllm else None,
-                      node_config=VllmEngineConfig(prompt_logprobs_frac=TRAINING_PROMPT_LOGPROBS_FRAC) if vllm else None)
+                      knobs=EngineKnobs(gpu_memory_utilization=OPERATOR_UTILIZATION) if kind.takes_knobs else None,
+                      node_config=kind.node_config(prompt_logprobs_frac=TRAINING_PROMPT_LOGPROBS_FRAC)
+                      if kind.capabilities.prompt_logprobs else None)
     runs = []
     for workload, rate in TRAINING_RUNS:
         wl = demo_workload(graph.profile, workload=workload, rate_scale=rate, duration_s=duration_s, seed=0)

@@ -65,7 +65,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from kvguard.contracts.commands import Action, Command, Mode, Target, command_id, sign
+from kvguard.contracts.commands import (
+    Action,
+    BatchCapPayload,
+    Command,
+    CompactPayload,
+    EvictPayload,
+    HeadroomPayload,
+    Mode,
+    Payload,
+    ReclaimPayload,
+    Target,
+    command_id,
+    sign,
+)
 from kvguard.contracts.tick import Tick
 from kvguard.contracts.units import NS_PER_S
 from kvguard.policy.canary import Canary
@@ -405,25 +418,22 @@ class PolicyEngine:
                   headroom: int | None, reason: str, epoch: int = 0, *, cap: int | None = None,
                   cap_reason: str = "") -> list[Command]:
         ttl_ns = int(self.config.command_ttl_s * NS_PER_S)
-        common = dict(node=view.node, granularity=strategy.granularity, handling=strategy.handling,
-                      reason=reason, mode=mode, variant=strategy.variant,
+        common = dict(node=view.node, reason=reason, mode=mode, variant=strategy.variant,
                       issued_at_ns=view.ts_ns, ttl_ns=ttl_ns, epoch=epoch)
-        drafts: list[Command] = []
+        payloads: list[tuple[Payload, str]] = []
         if headroom is not None:
-            drafts.append(Command(id="", action=Action.HEADROOM, targets=(), units_needed=headroom, **common))
+            payloads.append((HeadroomPayload(units=headroom), reason))
         if the_plan.compact_moves:
-            drafts.append(Command(id="", action=Action.COMPACT, targets=(), max_moves=the_plan.compact_moves,
-                                  **common))
+            payloads.append((CompactPayload(max_moves=the_plan.compact_moves), reason))
         if the_plan.reclaim_units:
-            drafts.append(Command(id="", action=Action.RECLAIM, targets=(),
-                                  units_needed=the_plan.reclaim_units, **common))
+            payloads.append((ReclaimPayload(units=the_plan.reclaim_units), reason))
         if the_plan.victims:
             targets = tuple(Target(v.req, v.units) for v in the_plan.victims)
-            drafts.append(Command(id="", action=Action.EVICT, targets=targets,
-                                  units_needed=the_plan.units_needed, **common))
+            payloads.append((EvictPayload(targets, granularity=strategy.granularity, handling=strategy.handling),
+                             reason))
         if cap is not None:  # last: the other actions keep their positions (and ids) on every profile
-            drafts.append(Command(id="", action=Action.BATCH_CAP, targets=(), units_needed=cap,
-                                  **(common | {"reason": cap_reason})))
+            payloads.append((BatchCapPayload(tokens=cap), cap_reason))
+        drafts = [Command(id="", payload=payload, **(common | {"reason": why})) for payload, why in payloads]
         out = []
         # a restarted node's clock starts over: its epoch keeps its ids apart from the old run's
         # (which its actuator's journal may still hold); epoch 0 keeps the plain (node, ts) ids
@@ -435,7 +445,7 @@ class PolicyEngine:
             self.counters.commands += 1
             if cmd.action is Action.EVICT:
                 self.counters.evict_commands += 1
-                self.counters.victims += len(cmd.targets)
+                self.counters.victims += len(cmd.payload.targets)
             elif cmd.action is Action.COMPACT:
                 self.counters.compact_commands += 1
             elif cmd.action is Action.HEADROOM:

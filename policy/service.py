@@ -347,7 +347,7 @@ class SloRecorder:
         for cmd in getattr(decision, "commands", ()):
             if cmd.action is not Action.EVICT:
                 continue
-            reqs = tuple(int(t.req) for t in cmd.targets)
+            reqs = tuple(int(t.req) for t in cmd.payload.targets)
             if self.confirm_with_acks:
                 self._issued[cmd.id] = (cmd.node, cmd.issued_at_ns, reqs)
                 self._bound(self._issued)

@@ -12,9 +12,6 @@ import typer
 
 from kvguard.cli.app import app
 
-ACTIONS = {"hold": "hold", "drain": "hold", "release": "release", "abort": "abort", "empty-cache": "empty_cache",
-           "batch-cap": "batch_cap"}
-
 
 @app.command()
 def command(
@@ -46,16 +43,23 @@ def command(
     # the bus client is loaded when the command runs, so `kvguard --help` stays fast
     from kvguard.cli.simulate import parse_duration
     from kvguard.config.settings import ConfigError, Settings
-    from kvguard.contracts.commands import AckOutcome, Action
+    from kvguard.contracts.commands import AckOutcome
     from kvguard.runtime.bootstrap import BootstrapError
     from kvguard.runtime.bootstrap import bootstrap as build_graph
-    from kvguard.runtime.operator import NodeClock, OperatorError, node_clock, operator_command, send_and_wait
+    from kvguard.runtime.operator import (
+        NodeClock,
+        OperatorArgs,
+        OperatorError,
+        node_clock,
+        operator_command,
+        operator_payload,
+        send_and_wait,
+    )
 
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # a connection failure is reported once, below
-    if action not in ACTIONS:
-        typer.echo(f"error: action {action!r}: expected one of {', '.join(ACTIONS)}", err=True)
-        raise typer.Exit(2)
     try:
+        payload = operator_payload(action, OperatorArgs(max_prompt_tokens=max_prompt_tokens, tokens=tokens,
+                                                        steps=steps, requests=tuple(req or ())))
         settings = Settings.load(config)
         graph = build_graph(settings, predictor=None, require_secret=True)
         ttl_s, wait_s = parse_duration(ttl), parse_duration(wait)
@@ -63,7 +67,6 @@ def command(
     except (ConfigError, BootstrapError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
-    units = tokens if action == "batch-cap" else max_prompt_tokens if action == "hold" else 0
 
     async def main():
         await carrier.start()
@@ -76,8 +79,7 @@ def command(
                                         "node id (kvguard export's node label), or give --epoch and --at-ns")
                 clock = NodeClock(node, epoch if epoch is not None else seen.epoch,
                                   at_ns if at_ns is not None else seen.ts_ns)
-            cmd = operator_command(node, Action(ACTIONS[action]), clock, graph.secret, units=units, steps=steps,
-                                   requests=tuple(req or ()), reason=reason, ttl_s=ttl_s)
+            cmd = operator_command(node, payload, clock, graph.secret, reason=reason, ttl_s=ttl_s)
             return cmd, await send_and_wait(carrier, settings, cmd, wait_s=wait_s)
         finally:
             await carrier.stop()
@@ -91,9 +93,8 @@ def command(
         typer.echo(f"error: could not reach {bootstrap or settings.kafka.bootstrap} ({type(err).__name__}: {err}); "
                    "is the broker up and the address right (--bootstrap)?", err=True)
         raise typer.Exit(1) from None
-    out = {"command": {"id": cmd.id, "node": cmd.node, "action": cmd.action.value, "units_needed": cmd.units_needed,
-                       "max_moves": cmd.max_moves, "targets": [t.req for t in cmd.targets], "epoch": cmd.epoch,
-                       "issued_at_ns": cmd.issued_at_ns},
+    out = {"command": {"id": cmd.id, "node": cmd.node, "action": cmd.action.value, "payload": cmd.payload.to_dict(),
+                       "epoch": cmd.epoch, "issued_at_ns": cmd.issued_at_ns},
            "ack": None if ack is None else {"outcome": ack.outcome.value, "units_freed": ack.units_freed,
                                             "errors": list(ack.errors)}}
     if json_out:

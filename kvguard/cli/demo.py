@@ -206,7 +206,7 @@ def demo(
     from kvguard.config.extras import require
     from kvguard.config.settings import ConfigError, Settings
     from kvguard.producers.sim.profiles import EngineKnobs, load_profile
-    from kvguard.producers.sim.vllm.engine import VllmEngineConfig
+    from kvguard.producers.sim.registry import engine_kind
     from kvguard.runtime.bootstrap import bootstrap, make_ledger, make_slo_ledger
     from kvguard.runtime.embedded import compare, demo_workload, ledger_summary, static_arms
     from kvguard.runtime.overbus import run_over_bus
@@ -222,9 +222,10 @@ def demo(
         rate_scale = QUICK_RATE_SCALE if quick else DEMO_RATE_SCALE
     try:
         settings = Settings.load(config)
-        vllm = load_profile(profile).engine == "vllm"
-        knobs = EngineKnobs(gpu_memory_utilization=gpu_memory_utilization) if vllm else None
-        node_config = VllmEngineConfig(prompt_logprobs_frac=prompt_logprobs_frac) if vllm else None
+        kind = engine_kind(load_profile(profile))
+        knobs = EngineKnobs(gpu_memory_utilization=gpu_memory_utilization) if kind.takes_knobs else None
+        node_config = kind.node_config(prompt_logprobs_frac=prompt_logprobs_frac) \
+            if kind.capabilities.prompt_logprobs else None
         graph = bootstrap(settings, profile=profile, knobs=knobs, node_config=node_config,
                           predictor=None if no_lstm else "shipped")
     except (ConfigError, ValueError) as err:
@@ -260,7 +261,7 @@ def demo(
         else:
             guarded = _run(graph, wl, gpus, duration_s, seed, True, live, console, host)
         static_runs = {}
-        if vllm and arms:
+        if kind.takes_knobs and arms:  # the static arms are other start-up knobs of the same engine
             for name, arm_graph in static_arms(graph, profile, node_config).items():
                 static_runs[name] = (_run(arm_graph, wl, gpus, duration_s, seed, False, live, console, host,
                                           label=name), arm_graph.profile.name)
@@ -277,7 +278,7 @@ def demo(
                  "kvguard": "the operator's knobs with kvguard: the closed loop and, on vLLM, the node-side logprob guard"}
     runs = {**static_runs, "baseline": (baseline, graph.profile.name), "kvguard": (guarded, graph.profile.name)}
     result["arms"] = {name: arm_summary(run.summary, prof, described[name]) for name, (run, prof) in runs.items()}
-    result["prompt_logprobs_frac"] = prompt_logprobs_frac if vllm else None
+    result["prompt_logprobs_frac"] = prompt_logprobs_frac if kind.capabilities.prompt_logprobs else None
     result["mode"] = "kafka" if bus else "embedded"
     result["run_id"] = run_id
     result["nodes"] = [f"{host}/gpu{i}" for i in range(gpus)]

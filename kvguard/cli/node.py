@@ -37,6 +37,12 @@ def node(
     host: str = typer.Option(None, "--host", help="Node ids are <host>/gpu<i> (default: the host part of "
                                                  "node.node_id, e.g. KVGUARD_NODE__NODE_ID=$(NODE_NAME)/gpu0, else sim-0)."),
     profile: str = typer.Option(None, "--profile"),
+    gpu_memory_utilization: float = typer.Option(
+        None, "--gpu-memory-utilization", min=0.01, max=1.0,
+        help="Engines that take vLLM's start-up knobs: the operator's setting (default: the profile's)."),
+    prompt_logprobs_frac: float = typer.Option(
+        0.0, "--prompt-logprobs-frac", min=0.0, max=1.0,
+        help="Engines with a sampler: share of requests asking for prompt logprobs (eval traffic)."),
     bus: str = typer.Option(None, "--bus", help="kafka://HOST:PORT (default: kafka.bootstrap from settings)."),
     journal_dir: Path = typer.Option(None, "--journal-dir",
                                      help="Where actuators keep their applied-id journals (default: node.journal_dir)."),
@@ -51,6 +57,8 @@ def node(
     from kvguard.cli.export import BrokerUnreachable, broker_unreachable, quiet_kafka_client
     from kvguard.cli.simulate import parse_duration
     from kvguard.config.settings import ConfigError, Settings
+    from kvguard.producers.sim.profiles import EngineKnobs, load_profile
+    from kvguard.producers.sim.registry import engine_kind
     from kvguard.producers.sim.workloads import WorkloadError
     from kvguard.runtime.bootstrap import BootstrapError, bootstrap
     from kvguard.runtime.embedded import demo_workload
@@ -58,8 +66,11 @@ def node(
 
     try:
         settings = Settings.load(config)
-        graph = bootstrap(settings, profile=profile, predictor=None, require_secret=not no_actuator,
-                          insecure_dev=insecure_dev)
+        kind = engine_kind(load_profile(profile))
+        knobs = EngineKnobs(gpu_memory_utilization=gpu_memory_utilization) if gpu_memory_utilization else None
+        node_config = kind.node_config(prompt_logprobs_frac=prompt_logprobs_frac) if prompt_logprobs_frac else None
+        graph = bootstrap(settings, profile=profile, knobs=knobs, node_config=node_config, predictor=None,
+                          require_secret=not no_actuator, insecure_dev=insecure_dev)
         carrier = graph.make_bus(bus)
     except (ConfigError, BootstrapError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)

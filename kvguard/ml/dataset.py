@@ -35,7 +35,7 @@ from kvguard.contracts.units import NS_PER_S
 from kvguard.ml.evaluation import DEFAULT_HORIZON_S, censored_mask, down_mask, labels_for_ticks
 from kvguard.producers.sim.fleet import Fleet
 from kvguard.producers.sim.profiles import EngineKnobs, load_profile, prompt_cap_tokens
-from kvguard.producers.sim.vllm.engine import VllmEngineConfig
+from kvguard.producers.sim.registry import engine_kind
 from kvguard.producers.sim.workloads import SCENARIOS, load_workload, resolve_trace_path
 from kvguard.streams.alerts import FIRING
 from kvguard.streams.core import StreamConfig, StreamCore
@@ -500,7 +500,9 @@ def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ti
     profile = load_profile(spec.profile, knobs=knobs)
     workload = load_workload(spec.workload, rate_scale=spec.rate_scale, window=spec.duration_s, seed=spec.seed,
                              max_prompt_tokens=prompt_cap_tokens(profile))
-    engine_config = VllmEngineConfig(prompt_logprobs_frac=spec.prompt_logprobs_frac) if profile.engine == "vllm" else None
+    kind = engine_kind(profile)
+    engine_config = kind.node_config(prompt_logprobs_frac=spec.prompt_logprobs_frac) \
+        if kind.capabilities.prompt_logprobs else None
     fleet = Fleet(spec.n_gpus, profile, seed=spec.seed, config=engine_config)
     fleet.submit_workload(workload)
     config = stream_config

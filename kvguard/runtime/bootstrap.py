@@ -43,7 +43,7 @@ from kvguard.policy.slo import MemorySloLedger, SloLedger
 from kvguard.policy.strategy import PRESETS, strategy_from_mapping
 from kvguard.producers.sim.fleet import Fleet
 from kvguard.producers.sim.profiles import EngineKnobs, Profile, load_profile
-from kvguard.producers.sim.registry import NodeConfig
+from kvguard.producers.sim.registry import NodeConfig, capabilities_of
 from kvguard.runtime.mapping import (
     BootstrapError,
     budget_config,
@@ -233,23 +233,28 @@ def engine_config_from(settings: Settings, profile: Profile,
             built = strategy_from_mapping(values, base=base, field_prefix=f"policy.{name}")
             default, emergency = (built, emergency) if name == "default" else (default, built)
     geometry = profile.geometry
-    vllm = getattr(profile, "engine", "seed") == "vllm"
+    engine = capabilities_of(profile)  # what the profile's engine offers decides which guards apply
     workspace = profile.workspace_units(profile.max_batched_tokens)
     cost = CostModel(step_base_s=profile.step_base_s, prefill_s_per_token=profile.step_prefill_token_s,
                      decode_s_per_token=profile.step_decode_seq_s, unit_tokens=geometry.unit_tokens,
                      unit_bytes=geometry.unit_bytes, host_link_bytes_per_s=profile.host_bandwidth_bytes_per_s)
-    planner = PlannerConfig(required_run_units=workspace + max(geometry.page_classes), reclaim_cached=not vllm)
+    planner = PlannerConfig(required_run_units=workspace + max(geometry.page_classes),
+                            reclaim_cached=engine.reclaim_cached)
+    allocator_guard = engine.caching_allocator and engine.token_budget
     return EngineConfig(default=default, emergency=emergency, planner=planner, cost=cost,
                         command_ttl_s=float(policy.command_ttl_s), dynamic_units=geometry.dynamic_units,
                         unit_tokens=geometry.unit_tokens,
                         engine_reserve_units=workspace + int(0.01 * geometry.dynamic_units),
                         budget_f_ext=float(settings.budget.f_ext_threshold),
                         max_nodes=policy.max_nodes, max_epoch_jump=policy.max_epoch_jump,
-                        # vLLM engines: the full-sequence gate already admits only what fits whole, and
-                        # their OOMs are the caching allocator's, whose peaks the token budget bounds; the
-                        # cap follows the allocator's own pressure, not P(OOM), which predicts none of them
-                        use_headroom=not vllm, allocator_guard=vllm, batch_cap_on_prediction=not vllm,
-                        batch_cap_tokens=max(profile.max_num_seqs, profile.max_batched_tokens // 2) if vllm else 0)
+                        # uniform KV blocks (vLLM): a KV shortage preempts, and the full-sequence gate admits
+                        # only what fits whole, so no contiguous run needs holding back; with a caching
+                        # allocator the OOMs are the allocator's, whose peaks the token budget bounds, and
+                        # the cap follows the allocator's own pressure, not P(OOM), which predicts none of them
+                        use_headroom=engine.admission_headroom and not engine.uniform_blocks,
+                        allocator_guard=allocator_guard, batch_cap_on_prediction=not engine.caching_allocator,
+                        batch_cap_tokens=max(profile.max_num_seqs, profile.max_batched_tokens // 2)
+                        if allocator_guard else 0)
 
 
 def make_ledger(settings: Settings, redis_url: str | None = None, *, option: str = "--redis") -> BudgetLedger:

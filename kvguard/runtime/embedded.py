@@ -21,7 +21,7 @@ from kvguard.contracts.commands import AckOutcome
 from kvguard.contracts.units import NS_PER_S
 from kvguard.ops.static_sweep import tuned_knobs
 from kvguard.producers.sim.profiles import load_profile, prompt_cap_tokens
-from kvguard.producers.sim.vllm.engine import VllmEngineConfig
+from kvguard.producers.sim.registry import engine_kind
 from kvguard.producers.sim.workloads import load_workload
 from kvguard.runtime.bootstrap import make_ledger, make_slo_ledger
 from kvguard.streams.outputs import output_records
@@ -62,12 +62,13 @@ def static_arms(graph: Any, profile_name: str | None, node_config: Any = None) -
 
 
 def with_node_guard(graph: Any) -> Any:
-    """The graph with kvguard's node-side guard on, as a guarded node runs it: on vLLM profiles the
-    logprob guard (``VllmEngineConfig.logprobs_guard``: steps sized so prompt-logprob logits fit the
-    allocator's headroom). Other profiles have no node-side guard: the graph as it is."""
-    if graph.profile.engine != "vllm":
+    """The graph with kvguard's node-side guard on, as a guarded node runs it: on engines that serve
+    prompt logprobs the logprob guard (``VllmEngineConfig.logprobs_guard``: steps sized so prompt-logprob
+    logits fit the allocator's headroom). Other engines have no node-side guard: the graph as it is."""
+    kind = engine_kind(graph.profile)
+    if not kind.capabilities.prompt_logprobs:
         return graph
-    return replace(graph, node_config=replace(graph.node_config or VllmEngineConfig(), logprobs_guard=True))
+    return replace(graph, node_config=kind.node_config(graph.node_config, logprobs_guard=True))
 
 
 def demo_workload(profile: Any, *, workload: str, rate_scale: float, duration_s: float, seed: int):

@@ -19,11 +19,24 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvguard.contracts.commands import Ack, Action, Command, Mode, Target, sign
-from kvguard.contracts.dimensions import Granularity, HandlingChoice
+from kvguard.contracts.commands import (
+    AbortPayload,
+    Ack,
+    Action,
+    BatchCapPayload,
+    Command,
+    CommandError,
+    EmptyCachePayload,
+    HoldPayload,
+    Mode,
+    Payload,
+    ReleasePayload,
+    sign,
+)
 from kvguard.contracts.units import NS_PER_S
 from kvguard.wire.schemas import DecodeError, decode, make_headers
 
@@ -33,6 +46,43 @@ OPERATOR_ACTIONS = (Action.HOLD, Action.RELEASE, Action.ABORT, Action.EMPTY_CACH
 
 class OperatorError(ValueError):
     """The command cannot be sent as asked; says what to change."""
+
+
+@dataclass(slots=True, frozen=True)
+class OperatorArgs:
+    """What an operator gives on the command line (``kvguard command``), before it is a payload."""
+
+    max_prompt_tokens: int = 0
+    tokens: int = 0
+    steps: int = 0
+    requests: tuple[int, ...] = ()
+
+
+# ``kvguard command``'s verbs: each builds its action's payload from the flags it takes
+OPERATOR_VERBS: dict[str, Callable[[OperatorArgs], Payload]] = {
+    "hold": lambda a: HoldPayload(max_prompt_tokens=a.max_prompt_tokens, steps=a.steps),
+    "drain": lambda a: HoldPayload(max_prompt_tokens=0, steps=a.steps),
+    "release": lambda a: ReleasePayload(),
+    "abort": lambda a: AbortPayload(requests=a.requests),
+    "empty-cache": lambda a: EmptyCachePayload(),
+    "batch-cap": lambda a: BatchCapPayload(tokens=a.tokens, steps=a.steps),
+}
+# the flag each payload field comes from, for the error an operator sees
+_FLAGS = {"payload.max_prompt_tokens": "--max-prompt-tokens", "payload.tokens": "--tokens",
+          "payload.steps": "--steps", "payload.requests": "--req"}
+
+
+def operator_payload(verb: str, args: OperatorArgs) -> Payload:
+    """The payload of ``kvguard command <verb>``; ``OperatorError`` naming the flag when a value is out
+    of bounds (the same bounds every actuator applies)."""
+    if verb not in OPERATOR_VERBS:
+        raise OperatorError(f"action {verb!r}: expected one of {', '.join(OPERATOR_VERBS)}")
+    try:
+        return OPERATOR_VERBS[verb](args)
+    except CommandError as err:
+        flag = _FLAGS.get(err.field, err.field)
+        needs = f"{verb} needs the requests to act on ({flag})" if flag == "--req" else f"{flag}: {err.expected}"
+        raise OperatorError(f"{needs}, got {err.value!r}") from None
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,21 +126,15 @@ async def node_clock(bus: Any, settings: Any, node: str, *, idle_timeout_s: floa
     return best
 
 
-def operator_command(node: str, action: Action, clock: NodeClock, secret: bytes, *, units: int = 0, steps: int = 0,
-                     requests: tuple[int, ...] = (), reason: str = "", ttl_s: float = 60.0) -> Command:
+def operator_command(node: str, payload: Payload, clock: NodeClock, secret: bytes, *, reason: str = "",
+                     ttl_s: float = 60.0) -> Command:
     """The signed command, issued at the node's clock."""
-    if action not in OPERATOR_ACTIONS:
-        raise OperatorError(f"action {action.value!r}: expected one of {[a.value for a in OPERATOR_ACTIONS]}")
-    if action in (Action.ABORT, Action.EVICT) and not requests:
-        raise OperatorError(f"{action.value} needs the requests to act on (--req)")
-    if units < 0 or steps < 0:
-        raise OperatorError(f"units and steps must be >= 0, got {units}, {steps}")
-    return sign(Command(id=f"operator/{node}/{action.value}/{secrets.token_hex(6)}", node=node, action=action,
-                        targets=tuple(Target(int(r)) for r in requests), granularity=Granularity.REQUEST,
-                        handling=HandlingChoice.RECOMPUTE, reason=f"operator: {reason}" if reason else "operator",
+    if payload.action not in OPERATOR_ACTIONS:
+        raise OperatorError(f"action {payload.action.value!r}: expected one of {[a.value for a in OPERATOR_ACTIONS]}")
+    return sign(Command(id=f"operator/{node}/{payload.action.value}/{secrets.token_hex(6)}", node=node,
+                        payload=payload, reason=f"operator: {reason}" if reason else "operator",
                         mode=Mode.DEFAULT, variant="operator", issued_at_ns=clock.ts_ns,
-                        ttl_ns=int(ttl_s * NS_PER_S), units_needed=int(units), max_moves=int(steps),
-                        epoch=clock.epoch), secret)
+                        ttl_ns=int(ttl_s * NS_PER_S), epoch=clock.epoch), secret)
 
 
 async def send_and_wait(bus: Any, settings: Any, command: Command, *, wait_s: float = 10.0) -> Ack | None:

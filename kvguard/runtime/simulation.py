@@ -16,7 +16,7 @@ from typing import Any
 from kvguard.config.settings import Settings
 from kvguard.contracts.units import NS_PER_S
 from kvguard.producers.sim.profiles import EngineKnobs, ProfileError, prompt_cap_tokens
-from kvguard.producers.sim.vllm.engine import VllmEngineConfig
+from kvguard.producers.sim.registry import engine_kind
 from kvguard.producers.sim.workloads import load_workload
 from kvguard.runtime.bootstrap import bootstrap
 from kvguard.wire.eventlog import EventLogWriter
@@ -82,16 +82,20 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
     graph = bootstrap(settings if settings is not None else Settings(), profile=profile_name, knobs=knobs,
                       predictor=None)
     profile = graph.profile
-    if prompt_logprobs_frac and profile.engine != "vllm":
-        raise ProfileError(profile.name, "engine", "'vllm' for --prompt-logprobs-frac (the seed engine has no sampler)")
+    kind = engine_kind(profile)
+    sampler = kind.capabilities.prompt_logprobs
+    if prompt_logprobs_frac and not sampler:
+        raise ProfileError(profile.name, "engine", f"an engine with a sampler for --prompt-logprobs-frac (the "
+                                                   f"{kind.name!r} engine has none)")
     # the seed engine caps prompts that could never fit one GPU's KV region (said in the notes); the
     # vLLM engine takes them as they are and rejects those over max_model_len, as vLLM does
     wl = load_workload(workload, rate_scale=rate_scale, window=duration_s, seed=seed,
                        max_prompt_tokens=prompt_cap_tokens(profile))
-    if logprobs_guard and profile.engine != "vllm":
-        raise ProfileError(profile.name, "engine", "'vllm' for --logprobs-guard (the seed engine has no sampler)")
-    config = VllmEngineConfig(prompt_logprobs_frac=prompt_logprobs_frac, logprobs_guard=logprobs_guard) \
-        if profile.engine == "vllm" else None
+    if logprobs_guard and not sampler:
+        raise ProfileError(profile.name, "engine", f"an engine with a sampler for --logprobs-guard (the "
+                                                   f"{kind.name!r} engine has none)")
+    config = kind.node_config(prompt_logprobs_frac=prompt_logprobs_frac, logprobs_guard=logprobs_guard) \
+        if sampler else None
     fleet = graph.with_node(profile, config).fleet(gpus, seed=seed)
     fleet.submit_workload(wl)
     last_arrival_ns = wl.requests[-1].arrival_ns if wl.requests else 0

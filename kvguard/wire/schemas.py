@@ -23,12 +23,13 @@ import base64
 import uuid
 from dataclasses import fields as dataclass_fields
 from datetime import datetime, timezone
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator, model_validator
 
+from kvguard.contracts.commands import COMMAND_MAJOR, COMMAND_SCHEMA, PAYLOADS, CommandError
 from kvguard.contracts.events import COLUMNS, EVENT_DTYPE, EventBatch, Geometry, PoolState
 from kvguard.contracts.tick import SINCE_OOM_CAP_S, Tick
 from kvguard.contracts.tick import Candidate as TickCandidate
@@ -40,15 +41,20 @@ SUPPORTED_MAJOR = 1
 CE_SPECVERSION = "1.0"
 CONTENT_TYPE = "application/json"
 KINDS: tuple[str, ...] = ("events", "metrics", "alerts", "commands", "acks", "dlq")
+# a kind whose records changed incompatibly has its own major (commands: one payload per action)
+MAJORS: dict[str, int] = {kind: SUPPORTED_MAJOR for kind in KINDS} | {"commands": COMMAND_MAJOR}
+# what a reader says of a record of an older major it no longer reads
+_OLD_MAJORS = {("commands", 1): " (a flat 1.x command, whose units_needed/max_moves meant different things per "
+                                "action; re-issue it as a 2.x command with one payload per action, docs/CONTRACTS.md)"}
 _U8_COLUMNS = frozenset(name for name in COLUMNS if EVENT_DTYPE[name] == np.uint8)
 _INT64_MAX = np.iinfo(np.int64).max
 
 
-def ce_type(kind: str, major: int = SUPPORTED_MAJOR) -> str:
-    """``ce_type`` header of a record kind: ``io.kvguard.events.v1``."""
+def ce_type(kind: str, major: int | None = None) -> str:
+    """``ce_type`` header of a record kind: ``io.kvguard.events.v1`` (its own major by default)."""
     if kind not in KINDS:
         raise KeyError(f"unknown record kind {kind!r}; expected one of {', '.join(KINDS)}")
-    return f"io.kvguard.{kind}.v{major}"
+    return f"io.kvguard.{kind}.v{MAJORS[kind] if major is None else major}"
 
 
 class DecodeError(ValueError):
@@ -78,13 +84,14 @@ class WireModel(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True, frozen=False)
 
     schema_version: str = Field(SCHEMA_VERSION, alias="schema")
+    major: ClassVar[int] = SUPPORTED_MAJOR
 
     @field_validator("schema_version")
     @classmethod
     def _known_major(cls, value: str) -> str:
         major = schema_major(value)
-        if major != SUPPORTED_MAJOR:
-            raise ValueError(f"unknown major version {major} (this reader knows {SUPPORTED_MAJOR}.x)")
+        if major != cls.major:
+            raise ValueError(f"unknown major version {major} (this reader knows {cls.major}.x)")
         return value
 
     def to_bytes(self) -> bytes:
@@ -358,27 +365,38 @@ class Alert(WireModel):
 
 
 class Command(WireModel):
-    """A signed policy command on ``kvguard.commands``; fields as ``kvguard.contracts.commands.Command.to_dict``.
+    """A signed policy command on ``kvguard.commands`` (schema 2.x); fields as
+    ``kvguard.contracts.commands.Command.to_dict``.
 
-    Enumerations are plain strings here (the actuator checks them), so a newer minor version
-    may add actions without older readers dead-lettering them.
+    ``payload`` is the action's own object; for an action this reader knows it is checked by that
+    action's payload type (its fields and bounds, ``kvguard.contracts.commands``), so an absurd value
+    is dead-lettered here with the field named. Other enumerations are plain strings (the actuator
+    checks them), and an action this reader does not know passes, so a newer minor version may add
+    actions without older readers dead-lettering them.
     """
 
+    schema_version: str = Field(COMMAND_SCHEMA, alias="schema")
+    major: ClassVar[int] = COMMAND_MAJOR
     id: str = Field(min_length=1)
     node: str = Field(min_length=1)
     action: str
-    targets: list[tuple[int, int]] = Field(default_factory=list)  # [req, units] (0 units = all)
-    granularity: str = "request"
-    handling: str = "recompute"
+    payload: dict[str, Any]
     reason: str = ""
     mode: str = "default"
     variant: str = ""
     issued_at_ns: int
     ttl_ns: int = Field(ge=0)
-    units_needed: int = 0
-    max_moves: int = 0
     epoch: int = Field(0, ge=0)  # the producer epoch of the tick it was decided on (signed)
     signature: str = ""
+
+    @model_validator(mode="after")
+    def _payload_in_bounds(self) -> Command:
+        if self.action in PAYLOADS:
+            try:
+                PAYLOADS[self.action].from_dict(self.payload)
+            except CommandError as err:
+                raise ValueError(str(err)) from None
+        return self
 
 
 class Ack(WireModel):
@@ -486,8 +504,9 @@ def decode(kind: str, value: bytes | bytearray | memoryview, headers: Any = None
     if "schema" not in data:
         raise DecodeError("invalid", "schema: missing (every record carries 'schema': 'major.minor')")
     major = schema_major(data["schema"])
-    if major != SUPPORTED_MAJOR:
-        raise DecodeError("unknown_major", f"schema {data.get('schema')!r}: this reader knows {SUPPORTED_MAJOR}.x")
+    if major != MAJORS[kind]:
+        raise DecodeError("unknown_major", f"schema {data.get('schema')!r}: this reader knows {MAJORS[kind]}.x"
+                                           + _OLD_MAJORS.get((kind, major), ""))
     try:
         model = model_cls.model_validate(data)
     except ValidationError as exc:
@@ -522,8 +541,9 @@ def _check_type_header(kind: str, headers: Any) -> None:
             raise DecodeError("wrong_type", f"ce_type {text!r} on a {kind} topic (expected {ce_type(kind)})")
         if not version.isdigit():
             raise DecodeError("invalid", f"ce_type {text!r} has no version suffix .v<major>")
-        if int(version) != SUPPORTED_MAJOR:
-            raise DecodeError("unknown_major", f"ce_type {text!r}: this reader knows v{SUPPORTED_MAJOR}")
+        if int(version) != MAJORS[kind]:
+            raise DecodeError("unknown_major", f"ce_type {text!r}: this reader knows v{MAJORS[kind]}"
+                                               + _OLD_MAJORS.get((kind, int(version)), ""))
         return
 
 

@@ -1,7 +1,7 @@
 """Several simulated GPUs behind a router: one engine per GPU, node ids ``sim-0/gpu0`` … . The
-profile names the engine (``Profile.engine``): ``"vllm"`` builds ``producers.sim.vllm.engine.VllmEngine``
-(vLLM's scheduler and KV blocks, PyTorch's caching allocator for the rest), ``"seed"`` the seed's
-``Engine`` + ``PagedPool`` (the alternative profiles). Requests are routed when they arrive (least
+profile names the engine kind (``Profile.engine``) and the registry builds it (``producers.sim.registry``:
+the vLLM-faithful engine, or the seed's engine over its paged pool); the fleet drives it through the
+engine port (``kvguard.contracts.engine.EnginePort``). Requests are routed when they arrive (least
 outstanding tokens by default, ties to the lowest GPU index, so runs are deterministic). The router health-checks: a GPU that is restarting
 after an OOM crash gets no new work while another is up; only when every GPU is down does a request
 go to a down one, which refuses it (FINISH REJECTED). Every node's events are drained as
@@ -184,8 +184,8 @@ class Fleet:
             d["priority_defaulted"] = e.priority_defaulted
             d["steps"] = e.steps
             d["ooms_by_cause"] = ooms_by_cause(e)
-            d["rejected_by_reason"] = dict(getattr(e, "rejected_by_reason", {}))
-            d["allocator"] = e.allocator_summary() if hasattr(e, "allocator_summary") else None
+            d["rejected_by_reason"] = dict(e.rejected_by_reason)
+            d["allocator"] = e.allocator_summary() if e.capabilities.caching_allocator else None
             out.append(d)
         return out
 
@@ -199,18 +199,11 @@ class Fleet:
     def rejected_by_reason(self) -> dict[str, int]:
         total: dict[str, int] = {}
         for e in self.engines:
-            for reason, n in getattr(e, "rejected_by_reason", {}).items():
+            for reason, n in e.rejected_by_reason.items():
                 total[reason] = total.get(reason, 0) + n
         return dict(sorted(total.items()))
 
 
 def ooms_by_cause(engine) -> dict[str, int]:
-    """OOMs of one engine by ``layer:cause`` (``sim.vllm.engine.oom_cause_name``). The seed engine's OOMs are
-    KV-arena runs: ``fragmentation`` when the free units would have sufficed, ``peak`` otherwise."""
-    if hasattr(engine, "ooms_by_cause"):
-        return dict(sorted(engine.ooms_by_cause.items()))
-    out: dict[str, int] = {}
-    for o in engine.oom_log:
-        cause = "kv_arena:fragmentation" if o["fragmentation"] else "kv_arena:peak"
-        out[cause] = out.get(cause, 0) + 1
-    return dict(sorted(out.items()))
+    """OOMs of one engine by ``layer:cause`` (e.g. ``allocator:fragmentation``, ``kv_arena:peak``)."""
+    return dict(sorted(engine.ooms_by_cause.items()))

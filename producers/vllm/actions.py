@@ -36,8 +36,9 @@ or an internal the scheduler itself uses for the same purpose (named per action)
   batch), applied only while it is needed. Inert without CUDA in the process.
 
 ``submit(fn)`` is the thread-safe way in (the command consumer's thread); ``before_schedule``
-runs what was submitted. ``ExecutorEngine`` gives kvguard's ``Executor`` (actuators.executor) the
-engine entry points it calls, mapped onto these actions.
+runs what was submitted. ``ExecutorEngine`` is the engine port (``kvguard.contracts.engine``) kvguard's
+``Executor`` (actuators.executor) calls, mapped onto these actions; ``VLLM_CAPABILITIES`` says what it
+offers (the vLLM-faithful shadow engine declares the same).
 """
 
 from __future__ import annotations
@@ -48,13 +49,35 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
+from kvguard.contracts.dimensions import Granularity, HandlingChoice
+from kvguard.contracts.engine import Capabilities
 from kvguard.contracts.events import Handling
-from kvguard.contracts.pool_types import EvictResult, UnknownRequest
+from kvguard.contracts.pool_types import EvictResult, PageInfo, UnknownRequest
 from kvguard.producers.vllm.step_memory import logprobs_step_cap
 
 log = logging.getLogger(__name__)
+
+# What vLLM's v1 engine offers kvguard (both this plugin and the vLLM-faithful shadow engine)
+VLLM_CAPABILITIES = Capabilities(
+    uniform_blocks=True,  # paged KV blocks of one size; a KV shortage preempts
+    caching_allocator=True,  # activations and logits live in PyTorch's CUDACachingAllocator
+    prompt_logprobs=True,
+    evict_granularities=frozenset({Granularity.REQUEST}),
+    evict_handlings=frozenset({HandlingChoice.RECOMPUTE}),
+    admission_headroom=True,  # KVCacheManager.watermark_blocks
+    token_budget=True,  # Scheduler.max_num_scheduled_tokens
+    admission_hold=True,
+    abort=True,
+    empty_cache=True,  # torch.cuda.empty_cache(); NOOP with the reason where the process has no CUDA
+    compact=False,
+    reclaim_cached=False,
+    notes=(("compact", "vLLM's KV blocks are uniform: there are no free runs to coalesce"),
+           ("reclaim_cached", "vLLM's cached blocks already count as free and are reused on demand"),
+           ("evict_granularities", "vLLM's block tables are append-only: only whole requests are freed"),
+           ("evict_handlings", "vLLM v1 preempts by recompute only (it has no swap)")),
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -285,34 +308,27 @@ def _prefills_prompt_logprobs(request: Any) -> bool:
             and request.num_computed_tokens < request.num_prompt_tokens)
 
 
-class _PoolFacade:
-    """The ``pool`` the Executor reads: vLLM has no pages to pick nor cached blocks to drop
-    (cached blocks already count as free and are reused on demand)."""
-
-    def __init__(self, engine: ExecutorEngine) -> None:
-        self._engine = engine
-
-    def reclaim_cached(self, units_needed: int, now_ns: int) -> int:
-        return 0
-
-    def request_pages(self, req: int):
-        raise UnknownRequest(req)  # block tables are append-only: no block or token granularity
-
-
 class ExecutorEngine:
-    """kvguard's ``Executor`` entry points over ``VllmActions`` (run on the engine thread).
+    """The engine port (``kvguard.contracts.engine.ActuationPort``) over ``VllmActions`` (run on the engine thread).
 
     ``evict_request`` at request granularity is a preemption (recompute: vLLM v1 has no swap),
     whatever handling was asked; block and token granularity are no-ops (append-only block tables),
-    as are ``compact`` (uniform blocks) and ``pool.reclaim_cached``. ``set_admission_headroom`` is
-    ``set_headroom`` in blocks (the units of this node's geometry). ``hold`` / ``release`` are
-    ``hold_admission`` / ``release``, ``abort`` is ``abort`` (the client sees a retryable error) and
-    ``empty_cache`` is ``empty_cache``."""
+    as are ``compact`` (uniform blocks) and ``reclaim_cached`` (cached blocks count as free): its
+    capabilities say so, so the executor does not ask. ``set_admission_headroom`` is ``set_headroom``
+    in blocks (the units of this node's geometry). ``hold`` / ``release`` are ``hold_admission`` /
+    ``release``, ``abort`` is ``abort`` (the client sees a retryable error) and ``empty_cache`` is
+    ``empty_cache``."""
+
+    capabilities: ClassVar[Capabilities] = VLLM_CAPABILITIES
 
     def __init__(self, node: str, actions: VllmActions) -> None:
         self.node = node
         self.actions = actions
-        self.pool = _PoolFacade(self)
+
+    @property
+    def pool_units(self) -> int:
+        """Usable KV blocks: ``num_gpu_blocks`` less vLLM's null block."""
+        return int(self.actions.scheduler.kv_cache_manager.block_pool.num_gpu_blocks) - 1
 
     @property
     def now_ns(self) -> int:
@@ -331,6 +347,12 @@ class ExecutorEngine:
 
     def compact(self, now_ns: int, max_moves: int) -> int:
         return 0
+
+    def reclaim_cached(self, units: int, now_ns: int) -> int:
+        return 0
+
+    def request_pages(self, req: int) -> list[PageInfo]:
+        raise UnknownRequest(req)  # block tables are append-only: no block or token granularity
 
     def set_admission_headroom(self, units: int) -> None:
         self.actions.set_headroom(units)

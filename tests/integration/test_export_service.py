@@ -241,7 +241,8 @@ async def scrape_openmetrics(url: str) -> str:
 async def test_openmetrics_when_asked_commands_counted_and_the_paging_path_served(bus, kafka_settings):
     from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-    command = Command(id="cmd-7", node=NODES[0], action="evict", mode="default", issued_at_ns=NS_PER_S, ttl_ns=NS_PER_S)
+    command = Command(id="cmd-7", node=NODES[0], action="evict", payload={"targets": [[3, 0]]}, mode="default",
+                      issued_at_ns=NS_PER_S, ttl_ns=NS_PER_S)
     async with service_for(bus, kafka_settings, paging="prometheus") as service:
         await publish(bus, kafka_settings, "metrics", [tick(NODES[0], 10, 0.5, ooms=1)])
         await publish(bus, kafka_settings, "commands", [command, command])

@@ -303,8 +303,7 @@ def test_empty_cache_on_a_machine_without_cuda_is_a_noop_that_says_so():
 def test_kvguards_executor_preempts_through_the_plugin_on_a_signed_command():
     from kvguard.actuators.actuator import Actuator
     from kvguard.actuators.executor import Executor
-    from kvguard.contracts.commands import AckOutcome, Action, Command, Mode, Target, sign
-    from kvguard.contracts.dimensions import Granularity, HandlingChoice
+    from kvguard.contracts.commands import AckOutcome, Command, EvictPayload, Mode, Target, sign
 
     rig = Rig(600)
     rig.add("victim", 400, max_tokens=100)
@@ -314,8 +313,7 @@ def test_kvguards_executor_preempts_through_the_plugin_on_a_signed_command():
     secret = b"0123456789abcdef0123456789abcdef"
     actuator = Actuator(rig.plugin.node, Executor(rig.plugin.executor_engine), secret, epoch=rig.plugin.translator.epoch)
     now = rig.plugin.translator.now()
-    command = sign(Command(id="c1", node=rig.plugin.node, action=Action.EVICT, targets=(Target(req),),
-                           granularity=Granularity.REQUEST, handling=HandlingChoice.RECOMPUTE, reason="test",
+    command = sign(Command(id="c1", node=rig.plugin.node, payload=EvictPayload((Target(req),)), reason="test",
                            mode=Mode.EMERGENCY, variant="t", issued_at_ns=now, ttl_ns=10**10,
                            epoch=rig.plugin.translator.epoch), secret)
     ack = actuator.handle(command, now)

@@ -12,8 +12,20 @@ import pytest
 
 from kvguard.bus.inproc import InprocBus
 from kvguard.config.settings import Settings
-from kvguard.contracts.commands import Ack, AckOutcome, Action, Command, Mode, Target, sign
-from kvguard.contracts.dimensions import Granularity, HandlingChoice
+from kvguard.contracts.commands import (
+    AbortPayload,
+    Ack,
+    AckOutcome,
+    Command,
+    EmptyCachePayload,
+    EvictPayload,
+    HoldPayload,
+    Mode,
+    Payload,
+    ReleasePayload,
+    Target,
+    sign,
+)
 from kvguard.runtime.plugins import start_for
 from tests.integration.test_vllm_plugin import Rig
 
@@ -22,16 +34,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is dep
 SECRET = "c0ffee11d00d2bad5eed0123456789abcdef0123456789abcdef0123456789ab"
 
 
-def signed(plugin, action: Action, command_id: str, *, units: int = 0, targets: tuple[int, ...] = (),
-           mode: Mode = Mode.DEFAULT) -> Command:
-    return sign(Command(id=command_id, node=plugin.node, action=action, targets=tuple(Target(r) for r in targets),
-                        granularity=Granularity.REQUEST, handling=HandlingChoice.RECOMPUTE, reason="test",
-                        mode=mode, variant="request/lru/sync/recompute/hard", issued_at_ns=time.time_ns(),
-                        ttl_ns=30 * 10**9, units_needed=units, epoch=plugin.translator.epoch), SECRET.encode())
+def signed(plugin, payload: Payload, command_id: str, *, mode: Mode = Mode.DEFAULT) -> Command:
+    return sign(Command(id=command_id, node=plugin.node, payload=payload, reason="test", mode=mode,
+                        variant="request/lru/sync/recompute/hard", issued_at_ns=time.time_ns(), ttl_ns=30 * 10**9,
+                        epoch=plugin.translator.epoch), SECRET.encode())
 
 
 def evict(plugin, req: int, command_id: str) -> Command:
-    return signed(plugin, Action.EVICT, command_id, targets=(req,), mode=Mode.EMERGENCY)
+    return signed(plugin, EvictPayload((Target(req),)), command_id, mode=Mode.EMERGENCY)
 
 
 def started(rig: Rig):
@@ -109,7 +119,7 @@ def test_hold_release_and_abort_commands_from_the_bus_change_vllms_scheduling_an
     rig.step()
     settings, bus, consumer = started(rig)
     try:
-        send(settings, bus, consumer, signed(rig.plugin, Action.HOLD, "hold-1", units=1000))
+        send(settings, bus, consumer, signed(rig.plugin, HoldPayload(1000), "hold-1"))
         run_until_acked(rig, consumer, 1)
         assert consumer.acks[0].outcome is AckOutcome.EXECUTED
         rig.add("long", 3000, max_tokens=4)
@@ -118,13 +128,13 @@ def test_hold_release_and_abort_commands_from_the_bus_change_vllms_scheduling_an
             rig.step()
         waiting = {r.request_id for r in rig.sched.waiting}
         assert "long" in waiting and "short" not in waiting  # the short prompt passed the held long one
-        send(settings, bus, consumer, signed(rig.plugin, Action.RELEASE, "release-1"))
+        send(settings, bus, consumer, signed(rig.plugin, ReleasePayload(), "release-1"))
         run_until_acked(rig, consumer, 2)
         for _ in range(5):
             rig.step()
         assert "long" not in {r.request_id for r in rig.sched.waiting}
         runner = rig.plugin.translator.req("runner")
-        send(settings, bus, consumer, signed(rig.plugin, Action.ABORT, "abort-1", targets=(runner,)))
+        send(settings, bus, consumer, signed(rig.plugin, AbortPayload((runner,)), "abort-1"))
         run_until_acked(rig, consumer, 3)
         ack = consumer.acks[2]
         assert ack.outcome is AckOutcome.EXECUTED and ack.units_freed > 0
@@ -143,7 +153,7 @@ def test_empty_cache_without_cuda_in_the_process_is_acked_noop_with_the_reason()
     rig.step()
     settings, bus, consumer = started(rig)
     try:
-        send(settings, bus, consumer, signed(rig.plugin, Action.EMPTY_CACHE, "ec-1"))
+        send(settings, bus, consumer, signed(rig.plugin, EmptyCachePayload(), "ec-1"))
         run_until_acked(rig, consumer, 1)
         ack = consumer.acks[0]
         assert ack.outcome is AckOutcome.NOOP and "no CUDA" in ack.errors[0]

@@ -69,7 +69,8 @@ def served_series() -> set[str]:
     state.observe_tick(SimpleNamespace(**{**fields, "unit_bytes": 4096}), now_ns=0)
     state.observe_alert(Alert(node="h/gpu0", ts_ns=NS_PER_S, name=BUDGET_ALERT, tier="budget", severity="warning",
                               value=1.0, threshold=2.0, labels={"week": "2026-W48"}), now_ns=0)
-    state.observe_command(Command(id="c", node="h/gpu0", action="evict", issued_at_ns=1, ttl_ns=1), now_ns=0)
+    state.observe_command(Command(id="c", node="h/gpu0", action="evict", payload={"targets": [[3, 0]]}, issued_at_ns=1,
+                                  ttl_ns=1), now_ns=0)
     state.observe_ack(Ack(command_id="c", node="h/gpu0", outcome="executed", executed_at_ns=1, action="evict"),
                       now_ns=0)
     state.observe_dlq(DlqRecord.of(reason="invalid", detail="", topic="t", partition=0, offset=0, key=None,

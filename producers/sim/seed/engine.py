@@ -35,16 +35,18 @@ STEP rows in order. Time only comes from the workload and the step-time model, n
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
-from kvguard.contracts.dimensions import Granularity
+from kvguard.contracts.dimensions import Granularity, HandlingChoice
+from kvguard.contracts.engine import Capabilities, KnobUnavailable
 from kvguard.contracts.events import F_PRIORITY_DEFAULTED, EventKind, Handling, Outcome
-from kvguard.contracts.pool_types import EvictResult, PageState, PoolError, PoolExhausted
+from kvguard.contracts.pool_types import EvictResult, PageInfo, PageState, PoolError, PoolExhausted
 from kvguard.contracts.units import DEFAULT_PRIORITY, NS_PER_S
-from kvguard.producers.sim.profiles import Profile
+from kvguard.producers.sim.profile import Profile
 from kvguard.producers.sim.run import (
     GRANULARITIES,
     RunningView,
@@ -90,7 +92,29 @@ class _Seq:
         self.pending = 0  # decode tokens written into that room, not yet reported to the pool
 
 
+SEED_CAPABILITIES = Capabilities(
+    uniform_blocks=False,  # two page classes, placed in contiguous runs shared with the step workspace
+    caching_allocator=False,
+    prompt_logprobs=False,
+    evict_granularities=frozenset(Granularity),
+    evict_handlings=frozenset(HandlingChoice),
+    admission_headroom=True,
+    token_budget=False,
+    admission_hold=False,
+    abort=False,
+    empty_cache=False,
+    compact=True,
+    reclaim_cached=True,
+    notes=(("token_budget", "this engine has no per-step token budget to cap"),
+           ("admission_hold", "this engine has no admission hold"),
+           ("abort", "this engine cannot abort a request"),
+           ("empty_cache", "this engine has no caching allocator")),
+)
+
+
 class Engine:
+    capabilities: ClassVar[Capabilities] = SEED_CAPABILITIES
+
     def __init__(self, pool, profile: Profile, *, node: str = "sim-0/gpu0", seed: int = 0,
                  config: SeedEngineConfig | None = None):
         self.pool = pool
@@ -621,6 +645,45 @@ class Engine:
     def compact(self, now_ns: int, max_moves: int) -> int:
         """Move up to ``max_moves`` pages to coalesce free runs; returns the units moved."""
         return self.pool.compact(now_ns, max_moves)
+
+    def reclaim_cached(self, units: int, now_ns: int) -> int:
+        """Drop up to ``units`` units of cached prefix pages (LRU); returns the units freed."""
+        return self.pool.reclaim_cached(units, now_ns)
+
+    def request_pages(self, req: int) -> list[PageInfo]:
+        return self.pool.request_pages(req)
+
+    @property
+    def pool_units(self) -> int:
+        return self.dynamic_units
+
+    @property
+    def ooms_by_cause(self) -> Counter[str]:
+        """OOMs by ``layer:cause``: KV-arena runs, ``fragmentation`` when the free units would have
+        sufficed, ``peak`` otherwise (the vLLM engine's keys name the allocator's causes)."""
+        return Counter("kv_arena:fragmentation" if o["fragmentation"] else "kv_arena:peak" for o in self.oom_log)
+
+    @property
+    def rejected_by_reason(self) -> Counter[str]:
+        """Rejections by reason: this engine records none (its ``rejected`` count has them all)."""
+        return Counter()
+
+    # the knobs this engine does not have (SEED_CAPABILITIES): the executor never calls them
+
+    def set_batch_token_cap(self, tokens: int, steps: int = 0) -> None:
+        raise KnobUnavailable("the seed engine", "token_budget")
+
+    def hold_admissions(self, max_prompt_tokens: int, steps: int = 0) -> None:
+        raise KnobUnavailable("the seed engine", "admission_hold")
+
+    def release_admissions(self) -> bool:
+        raise KnobUnavailable("the seed engine", "admission_hold")
+
+    def abort_request(self, req: int, now_ns: int) -> int | None:
+        raise KnobUnavailable("the seed engine", "abort")
+
+    def empty_cache(self, now_ns: int) -> int | None:
+        raise KnobUnavailable("the seed engine", "empty_cache")
 
     # ------------------------------------------------------------------ queries
 

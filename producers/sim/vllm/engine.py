@@ -59,10 +59,12 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from kvguard.contracts.dimensions import Granularity
+from kvguard.contracts.engine import Capabilities
 from kvguard.contracts.events import (
     F_PRIORITY_DEFAULTED,
     F_PROMPT_LOGPROBS,
@@ -72,9 +74,9 @@ from kvguard.contracts.events import (
     OomLayer,
     Outcome,
 )
-from kvguard.contracts.pool_types import EvictResult
+from kvguard.contracts.pool_types import EvictResult, PageInfo
 from kvguard.contracts.units import DEFAULT_PRIORITY, NS_PER_S
-from kvguard.producers.sim.profiles import Profile
+from kvguard.producers.sim.profile import Profile
 from kvguard.producers.sim.run import GRANULARITIES, RunningView, RunSummary, SeqState, slo_fields
 from kvguard.producers.sim.vllm.fused import fused_decode
 from kvguard.producers.sim.vllm.kv import BlockPoolView, EngineScheduler, EventRecorder
@@ -82,6 +84,7 @@ from kvguard.producers.sim.vllm.kv_blocks import prompt_block_keys
 from kvguard.producers.sim.vllm.memory import StepOOM, WorkerMemory
 from kvguard.producers.sim.vllm.scheduler import VLLM_VERSION_FOLLOWED, SchedulerConfig, SeqStatus
 from kvguard.producers.sim.workloads import HASH_BLOCK_TOKENS, Request, mix_hash
+from kvguard.producers.vllm.actions import VLLM_CAPABILITIES
 from kvguard.producers.vllm.step_memory import Batch, logprobs_step_cap, prompt_logprobs_bytes_per_token
 
 PYTORCH_ALLOCATOR_FOLLOWED = "c10/cuda/CUDACachingAllocator.cpp @ 001074d2 (PyTorch 2.4/2.5; 2.9/2.10 rules)"
@@ -136,12 +139,16 @@ def oom_cause_name(cls: int, flags: int) -> str:
 
 
 class VllmEngine:
-    """One GPU's vLLM worker; see the module docstring. ``profile.engine`` must be ``"vllm"``."""
+    """One GPU's vLLM worker; see the module docstring. The profile must have a ``vllm`` section.
+    Its capabilities are the plugin's on a real vLLM (``producers.vllm.actions.VLLM_CAPABILITIES``):
+    the same knobs, the same things lacking, checked by the same contract suite."""
+
+    capabilities: ClassVar[Capabilities] = VLLM_CAPABILITIES
 
     def __init__(self, profile: Profile, *, node: str = "sim-0/gpu0", seed: int = 0,
                  config: VllmEngineConfig | None = None):
-        if profile.engine != "vllm" or profile.vllm is None:
-            raise ValueError(f"profile {profile.name!r} is for the {profile.engine!r} engine, not 'vllm'")
+        if profile.vllm is None:
+            raise ValueError(f"profile {profile.name!r} has no vllm section: it is for the {profile.engine!r} engine")
         self.profile = profile
         self.node = node
         self.seed = seed
@@ -571,6 +578,19 @@ class VllmEngine:
     def compact(self, now_ns: int, max_moves: int) -> int:
         """No vLLM counterpart: blocks are uniform, nothing to coalesce. Moves nothing."""
         return 0
+
+    def reclaim_cached(self, units: int, now_ns: int) -> int:
+        """No vLLM counterpart: cached blocks already count as free. Frees nothing."""
+        return self.pool.reclaim_cached(units, now_ns)
+
+    def request_pages(self, req: int) -> list[PageInfo]:
+        """The request's block table, one unit per block (raises ``UnknownRequest``)."""
+        return self.pool.request_pages(req)
+
+    @property
+    def pool_units(self) -> int:
+        """Usable KV blocks (vLLM's null block 0 is never handed out)."""
+        return self.profile.geometry.dynamic_units
 
     # ------------------------------------------------------------------ queries
     @property

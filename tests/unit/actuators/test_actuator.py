@@ -9,9 +9,8 @@ from kvguard.actuators.actuator import Actuator, AppliedJournal, run_actuators
 from kvguard.actuators.executor import Executor
 from kvguard.bus.inproc import InprocBus
 from kvguard.config.settings import Settings
-from kvguard.contracts.commands import Ack, AckOutcome, Action, Command, Mode, Target, command_id, sign
+from kvguard.contracts.commands import Ack, AckOutcome, Action, Command, EvictPayload, Mode, Target, command_id, sign
 from kvguard.contracts.units import NS_PER_S
-from kvguard.policy.strategy import Granularity, HandlingChoice
 from tests.unit.actuators.test_executor import running_engine
 
 SECRET = b"shared-secret"
@@ -19,9 +18,9 @@ NODE = "t/gpu0"
 
 
 def evict_command(req=1, *, issued_s=1.0, ttl_s=30.0, position=0) -> Command:
-    cmd = Command(id=command_id(NODE, int(issued_s * NS_PER_S), Action.EVICT, position), node=NODE, action=Action.EVICT,
-                  targets=(Target(req),), granularity=Granularity.REQUEST, handling=HandlingChoice.RECOMPUTE,
-                  reason="test", mode=Mode.DEFAULT, variant="request/lru/sync/recompute/hard",
+    cmd = Command(id=command_id(NODE, int(issued_s * NS_PER_S), Action.EVICT, position), node=NODE,
+                  payload=EvictPayload((Target(req),)), reason="test", mode=Mode.DEFAULT,
+                  variant="request/lru/sync/recompute/hard",
                   issued_at_ns=int(issued_s * NS_PER_S), ttl_ns=int(ttl_s * NS_PER_S))
     return sign(cmd, SECRET)
 
@@ -42,7 +41,7 @@ def test_forged_signature_is_rejected_and_nothing_happens():
     actuator = make_actuator(e)
     free_before = e.pool.metrics().free_units
     forged = sign(replace(evict_command(), signature=""), b"attacker-secret")
-    altered = replace(evict_command(), targets=(Target(2),))
+    altered = replace(evict_command(), payload=EvictPayload((Target(2),)))
     for cmd in (forged, altered):
         ack = actuator.handle(cmd, e.now_ns)
         assert ack.outcome is AckOutcome.REJECTED_SIGNATURE and "signature" in ack.errors[0]
@@ -83,7 +82,8 @@ def test_command_for_another_node_is_rejected():
 def test_command_naming_a_finished_request_is_a_noop_ack():
     e = running_engine()
     ack = make_actuator(e).handle(evict_command(req=12345), e.now_ns)
-    assert ack.outcome is AckOutcome.NOOP and ack.targets_noop == 1 and ack.errors == ()
+    assert ack.outcome is AckOutcome.NOOP and ack.targets_noop == 1
+    assert ack.errors == ("req 12345: not running (finished, waiting or unknown): nothing to free",)  # the reason
 
 
 def test_malformed_record_is_counted_not_raised():

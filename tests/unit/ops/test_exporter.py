@@ -377,7 +377,8 @@ def test_the_node_cap_refuses_new_nodes_until_an_idle_one_expires_and_counts_bot
 
 def test_commands_are_counted_once_per_id():
     state = ExportState()
-    command = Command(id="cmd-1", node="sim-0/gpu0", action="evict", mode="emergency", issued_at_ns=1, ttl_ns=10)
+    command = Command(id="cmd-1", node="sim-0/gpu0", action="evict", payload={"targets": [[3, 0]]}, mode="emergency",
+                      issued_at_ns=1, ttl_ns=10)
     assert state.observe_command(command, now_ns=0) and not state.observe_command(command, now_ns=0)
     samples, _, _ = parse(state.render(now_ns=0))
     assert value(samples, "kvguard_commands_total", node="sim-0/gpu0", action="evict", mode="emergency") == 1

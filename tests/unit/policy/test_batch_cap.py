@@ -6,11 +6,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvguard.actuators.executor import Executor
-from kvguard.contracts.commands import AckOutcome, Action, Command, Mode
+from kvguard.contracts.commands import AckOutcome, Action, BatchCapPayload, Command, Mode
 from kvguard.contracts.units import NS_PER_S
 from kvguard.policy.engine import EngineConfig, PolicyEngine
 from kvguard.policy.planner import NodeView
-from kvguard.policy.strategy import Granularity, HandlingChoice
 from kvguard.producers.sim.profiles import load_profile
 from kvguard.producers.sim.vllm.engine import VllmEngine
 from kvguard.producers.sim.workloads import Request
@@ -21,9 +20,8 @@ SECRET = b"test-secret-of-at-least-thirty-two-bytes"
 
 
 def cap_command(tokens: int, steps: int = 0) -> Command:
-    return Command(id="c1", node="sim-0/gpu0", action=Action.BATCH_CAP, targets=(), granularity=Granularity.REQUEST,
-                   handling=HandlingChoice.RECOMPUTE, reason="test", mode=Mode.DEFAULT, variant="v", issued_at_ns=0,
-                   ttl_ns=30 * NS_PER_S, units_needed=tokens, max_moves=steps)
+    return Command(id="c1", node="sim-0/gpu0", payload=BatchCapPayload(tokens, steps), reason="test",
+                   mode=Mode.DEFAULT, variant="v", issued_at_ns=0, ttl_ns=30 * NS_PER_S)
 
 
 def test_the_cap_bounds_every_step_and_release_restores_the_profile_budget():
@@ -83,7 +81,7 @@ def node_view(ts_s: int, **changes) -> NodeView:
 
 
 def caps(decision) -> list[int]:
-    return [c.units_needed for c in decision.commands if c.action is Action.BATCH_CAP]
+    return [c.payload.tokens for c in decision.commands if c.action is Action.BATCH_CAP]
 
 
 def test_vllm_profiles_get_the_allocator_guard_and_no_kv_headroom_hold():

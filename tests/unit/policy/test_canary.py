@@ -308,7 +308,7 @@ def commands_of(service, ticks) -> list[tuple]:
     out = []
     for tick in ticks:
         result = service.handle_tick(tick)
-        out += [(c.node, c.id, c.action, c.variant, c.units_needed, c.targets, c.signature) for c in result.commands]
+        out += [(c.node, c.id, c.action, c.variant, c.payload, c.signature) for c in result.commands]
     return out
 
 

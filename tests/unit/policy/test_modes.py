@@ -153,12 +153,11 @@ def test_slo_recorder_writes_predictions_oom_lead_times_evictions_and_their_outc
 
     import numpy as np
 
-    from kvguard.contracts.commands import Ack, AckOutcome, Action, Command, Target
+    from kvguard.contracts.commands import Ack, AckOutcome, Command, EvictPayload, Target
     from kvguard.contracts.events import EVENT_DTYPE, EventKind, Outcome
     from kvguard.policy.budget import iso_week
     from kvguard.policy.service import SloRecorder
     from kvguard.policy.slo import MemorySloLedger
-    from kvguard.policy.strategy import Granularity, HandlingChoice
 
     ledger = MemorySloLedger()
     slo = SloRecorder(ledger, threshold=0.5, horizon_s=30.0, confirm_with_acks=True)
@@ -173,8 +172,7 @@ def test_slo_recorder_writes_predictions_oom_lead_times_evictions_and_their_outc
     slo.observe_tick(tick(40, 0.2, 0.1, ooms=1))
     slo.observe_tick(tick(40, 0.2, 0.1, ooms=1))  # a redelivered tick counts once
     slo.observe_tick(tick(100, 0.2, 0.1))
-    cmd = Command(id="c1", node="n", action=Action.EVICT, targets=(Target(7), Target(8)),
-                  granularity=Granularity.REQUEST, handling=HandlingChoice.RECOMPUTE, reason="t",
+    cmd = Command(id="c1", node="n", payload=EvictPayload((Target(7), Target(8))), reason="t",
                   mode=Mode.DEFAULT, variant="v", issued_at_ns=100 * S, ttl_ns=30 * S)
     slo.observe_decision(SimpleNamespace(commands=[cmd]))
     slo.observe_ack(Ack(command_id="c1", node="n", outcome=AckOutcome.EXECUTED, executed_at_ns=101 * S))

@@ -198,7 +198,7 @@ def test_contiguity_risk_holds_admission_headroom_and_compacts_with_signed_comma
     actions = [c.action for c in decision.commands]
     assert actions == [Action.HEADROOM, Action.COMPACT]
     headroom = decision.commands[0]
-    assert headroom.units_needed == int((1 - DEFAULT.target_u_kv) * D) - 600
+    assert headroom.payload.units == int((1 - DEFAULT.target_u_kv) * D) - 600
     assert all(verify(c, SECRET) for c in decision.commands)
     assert all(c.issued_at_ns == busy().ts_ns and c.node == "n0/gpu0" for c in decision.commands)
     again = engine().decide(busy(largest_free_run_units=300, f_ext=0.8))
@@ -210,7 +210,7 @@ def test_soft_trigger_needs_the_prediction_to_agree():
     assert not any(c.action is Action.EVICT for c in quiet.commands)
     predicted = engine().decide(busy(u_kv=0.9, p_oom=0.8))
     evict = [c for c in predicted.commands if c.action is Action.EVICT]
-    assert evict and evict[0].granularity is Granularity.BLOCK and "P(OOM" in evict[0].reason
+    assert evict and evict[0].payload.granularity is Granularity.BLOCK and "P(OOM" in evict[0].reason
 
 
 def test_hard_trigger_fires_on_the_threshold_alone():
@@ -233,7 +233,7 @@ def test_a_victim_is_not_targeted_again_while_the_tick_may_be_stale():
     e = engine(default=replace(DEFAULT, timing=Timing.SYNC))
     first = e.decide(busy(ts_s=60, u_kv=0.9, p_oom=0.9))
     second = e.decide(busy(ts_s=70, u_kv=0.9, p_oom=0.9))
-    targets = lambda d: {t.req for c in d.commands if c.action is Action.EVICT for t in c.targets}  # noqa: E731
+    targets = lambda d: {t.req for c in d.commands if c.action is Action.EVICT for t in c.payload.targets}  # noqa: E731
     assert targets(first) and not targets(first) & targets(second)
 
 
@@ -242,14 +242,14 @@ def test_an_oom_escalates_to_emergency_with_a_larger_hold():
     decision = e.decide(busy(ooms=1))
     assert decision.mode is Mode.EMERGENCY and decision.mode_change is not None
     hold = [c for c in decision.commands if c.action is Action.HEADROOM][0]
-    assert hold.units_needed == int((1 - EMERGENCY.target_u_kv) * D) - 600
+    assert hold.payload.units == int((1 - EMERGENCY.target_u_kv) * D) - 600
     assert hold.mode is Mode.EMERGENCY and hold.variant == EMERGENCY.variant
 
 
 def test_headroom_is_released_after_calm_ticks():
     e = engine(headroom_calm_ticks=2)
     e.decide(busy(ts_s=10, largest_free_run_units=300))
-    holds = [[c.units_needed for c in e.decide(view(ts_ns=int(t * 1e9), u_kv=0.3)).commands
+    holds = [[c.payload.units for c in e.decide(view(ts_ns=int(t * 1e9), u_kv=0.3)).commands
               if c.action is Action.HEADROOM]
              for t in (20, 30, 40)]
     assert holds == [[], [0], []]
@@ -299,7 +299,7 @@ def test_the_hold_covers_the_largest_prompt_seen_on_any_node_then_expires():
     e.decide(replace(view(u_kv=0.3), node="n0/gpu1", candidates=(big_prompt(1, 12000),)))
     assert e.largest_prompt_units() == 3000
     hold = [c for c in e.decide(view(ts_ns=70 * 10**9, u_kv=0.6)).commands if c.action is Action.HEADROOM]
-    assert hold[0].units_needed == 3000 + 512 - 600 > strategy_hold
+    assert hold[0].payload.units == 3000 + 512 - 600 > strategy_hold
     # capped at max_headroom_frac of D
     e2 = engine(max_headroom_frac=0.25)
     e2.decide(replace(view(u_kv=0.3), node="n0/gpu1", candidates=(big_prompt(1, 12000),)))
@@ -316,11 +316,11 @@ def test_the_hold_covers_the_largest_prompt_seen_on_any_node_then_expires():
 def test_calm_ticks_release_the_strategys_hold_but_keep_the_prompt_sized_part():
     e = engine(headroom_calm_ticks=2, prompt_horizon_s=3600.0)
     first = e.decide(busy(ts_s=10, candidates=(big_prompt(1, 12000),)))
-    assert [c.units_needed for c in first.commands if c.action is Action.HEADROOM] == [3000 + 512 - 600]
+    assert [c.payload.units for c in first.commands if c.action is Action.HEADROOM] == [3000 + 512 - 600]
     e2 = engine(headroom_calm_ticks=2, prompt_horizon_s=3600.0, max_headroom_frac=0.2)
     e2.decide(busy(ts_s=10, candidates=(big_prompt(1, 12000),)))  # prompt hold capped: 2000 - 600
     strategy_hold = int((1 - DEFAULT.target_u_kv) * D) - 600
-    holds = [[c.units_needed for c in e2.decide(view(ts_ns=int(t * 1e9), u_kv=0.3)).commands
+    holds = [[c.payload.units for c in e2.decide(view(ts_ns=int(t * 1e9), u_kv=0.3)).commands
               if c.action is Action.HEADROOM] for t in (20, 30, 40)]
     assert holds == [[], [2000 - 600], []] and 2000 - 600 < strategy_hold
 

@@ -366,8 +366,8 @@ async def test_the_actuator_loop_dead_letters_a_command_whose_handling_raises(tm
     journal.record = record_or_fail
     for position, req in enumerate((1, 2)):
         await bus.publish(settings.topics.name("commands"), NODE, evict_command(req, position=position).to_bytes())
-    await bus.publish(settings.topics.name("commands"), NODE, b'{"schema":"1.0","id":"z","node":"' + NODE.encode()
-                      + b'","action":"explode","issued_at_ns":1,"ttl_ns":1}')
+    await bus.publish(settings.topics.name("commands"), NODE, b'{"schema":"2.0","id":"z","node":"' + NODE.encode()
+                      + b'","action":"explode","payload":{},"issued_at_ns":1,"ttl_ns":1}')
     stop = asyncio.Event()
     acks = []
 

@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 from kvguard.actuators.executor import Executor
-from kvguard.contracts.commands import Action, Command, Mode
+from kvguard.contracts.commands import Command, EmptyCachePayload, Mode
 from kvguard.contracts.events import EVENT_DTYPE, SEG_MAPPED, EventKind
 from kvguard.contracts.units import NS_PER_S
-from kvguard.policy.strategy import Granularity, HandlingChoice
 from kvguard.producers.sim.fleet import Fleet
 from kvguard.producers.sim.profiles import EngineKnobs, load_profile
 from kvguard.producers.sim.vllm.engine import VllmEngineConfig
@@ -72,9 +71,8 @@ def test_the_mirror_follows_an_engine_with_expandable_segments_through_empty_cac
     fleet.submit_workload(load_workload("azure-conv", rate_scale=1.0, window=240, seed=0))
     core = StreamCore(StreamConfig())
     engine = fleet.engines[0]
-    empty = Command(id="e", node=engine.node, action=Action.EMPTY_CACHE, targets=(), granularity=Granularity.REQUEST,
-                    handling=HandlingChoice.RECOMPUTE, reason="t", mode=Mode.DEFAULT, variant="v", issued_at_ns=0,
-                    ttl_ns=NS_PER_S)
+    empty = Command(id="e", node=engine.node, payload=EmptyCachePayload(), reason="t", mode=Mode.DEFAULT,
+                    variant="v", issued_at_ns=0, ttl_ns=NS_PER_S)
     unmapped = 0
     for now in range(1, 241):
         fleet.advance(now * NS_PER_S)

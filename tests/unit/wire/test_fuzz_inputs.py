@@ -164,19 +164,42 @@ def test_ticks_with_extreme_numbers_are_refused_or_decided(records):
 # ---- the actuator: signed commands with random contents ------------------------------------------
 
 
+def _counts(draw):
+    return draw(st.one_of(st.integers(0, 64), st.integers(-3, -1), any_int))
+
+
+# each action's payload fields, drawn in and out of their bounds (and now and then a field it lacks)
+PAYLOAD_FIELDS = {
+    "evict": lambda draw: {"targets": draw(st.lists(st.lists(st.one_of(st.integers(-2, 8), any_int), min_size=2,
+                                                             max_size=2), max_size=4)),
+                           "granularity": draw(st.sampled_from(["request", "block", "token", "page"])),
+                           "handling": draw(st.sampled_from(["recompute", "swap", "checkpoint", "retain"]))},
+    "abort": lambda draw: {"requests": draw(st.lists(st.one_of(st.integers(-2, 8), any_int), max_size=4))},
+    "compact": lambda draw: {"max_moves": _counts(draw)},
+    "reclaim": lambda draw: {"units": _counts(draw)},
+    "headroom": lambda draw: {"units": _counts(draw)},
+    "batch_cap": lambda draw: {"tokens": _counts(draw), "steps": _counts(draw)},
+    "hold": lambda draw: {"max_prompt_tokens": _counts(draw), "steps": _counts(draw)},
+    "release": lambda draw: {},
+    "empty_cache": lambda draw: {},
+    "explode": lambda draw: {"x": _counts(draw)},
+}
+
+
 @st.composite
 def command_envelopes(draw):
-    return {"schema": "1.0", "id": draw(st.text(min_size=1, max_size=6)), "node": NODE,
-            "action": draw(st.sampled_from(["evict", "compact", "reclaim", "headroom", "explode"])),
-            "targets": draw(st.lists(st.tuples(st.one_of(st.integers(-2, 8), any_int),
-                                               st.one_of(st.integers(0, 64), any_int)), max_size=4)),
-            "granularity": draw(st.sampled_from(["request", "block", "page", "nonsense"])),
-            "handling": draw(st.sampled_from(["recompute", "swap", "checkpoint", "retain"])),
-            "mode": draw(st.sampled_from(["default", "emergency"])),
-            "issued_at_ns": draw(st.one_of(st.integers(0, 2 * 10**10), any_int)),
-            "ttl_ns": draw(st.one_of(st.integers(0, 10**11), any_int)),
-            "units_needed": draw(st.one_of(st.integers(0, 5000), any_int)),
-            "max_moves": draw(st.one_of(st.integers(0, 50), any_int)), "epoch": draw(st.one_of(st.just(0), any_int))}
+    action = draw(st.sampled_from(sorted(PAYLOAD_FIELDS)))
+    payload = PAYLOAD_FIELDS[action](draw)
+    if draw(st.integers(0, 9)) == 0:
+        payload["units_needed"] = _counts(draw)  # a field no payload has
+    record = {"schema": draw(st.sampled_from(["2.0", "2.0", "2.0", "1.0"])), "id": draw(st.text(min_size=1, max_size=6)),
+              "node": NODE, "action": action, "payload": payload,
+              "mode": draw(st.sampled_from(["default", "emergency"])),
+              "issued_at_ns": draw(st.one_of(st.integers(0, 2 * 10**10), any_int)),
+              "ttl_ns": draw(st.one_of(st.integers(0, 10**11), any_int)), "epoch": draw(st.one_of(st.just(0), any_int))}
+    if draw(st.integers(0, 9)) == 0:
+        del record["payload"]  # a flat record's shape
+    return record
 
 
 @FUZZ

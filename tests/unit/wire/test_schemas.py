@@ -144,27 +144,54 @@ def test_cloudevents_headers_are_complete():
     assert headers["ce_time"].endswith(b"Z")
     assert headers["content-type"] == b"application/json"
     assert dict(batch_headers(make_batch(seq=9)))["ce_id"] == b"host-a/gpu0/2/9"
-    assert ce_type("commands") == "io.kvguard.commands.v1"
+    assert ce_type("commands") == "io.kvguard.commands.v2"  # one payload per action: a major of its own
 
 
 def test_metric_alert_command_ack_round_trip():
     tick = MetricTick(node="n", ts_ns=10, u_kv=0.9, f_ext=0.6, f_int=0.1, psi=0.97, p_oom=0.3,
                       utilization={"kv_live": 0.5}, candidates=[{"req": 3, "units": 16}])
     alert = Alert(node="n", ts_ns=10, name="KVCacheOOMRisk", tier="slope", severity="warning", value=0.9)
-    command = Command(id="c1", node="n", action="evict", targets=[(3, 0)], issued_at_ns=10, ttl_ns=5)
+    command = Command(id="c1", node="n", action="evict", payload={"targets": [[3, 0]]}, issued_at_ns=10, ttl_ns=5)
     ack = Ack(command_id="c1", node="n", outcome="executed", executed_at_ns=12, errors=["x"])
     for kind, model in [("metrics", tick), ("alerts", alert), ("commands", command), ("acks", ack)]:
         assert decode(kind, encode(model)) == model
 
 
 def test_command_wire_form_matches_the_policy_dict_so_signatures_survive():
-    policy_dict = {
-        "schema": "1.0", "id": "c1", "node": "n", "action": "evict", "targets": [[3, 0], [4, 16]],
-        "granularity": "block", "handling": "swap", "reason": "tick", "mode": "default", "variant": "v",
-        "issued_at_ns": 1, "ttl_ns": 2, "units_needed": 3, "max_moves": 0, "epoch": 7, "signature": "ab",
-    }
-    model = decode("commands", orjson.dumps(policy_dict))
+    from kvguard.contracts.commands import Command as PolicyCommand
+    from kvguard.contracts.commands import EvictPayload, Mode, Target, sign, verify
+
+    signed = sign(PolicyCommand(id="c1", node="n", payload=EvictPayload((Target(3), Target(4, 16)), "block", "swap"),
+                                reason="tick", mode=Mode.DEFAULT, variant="v", issued_at_ns=1, ttl_ns=2, epoch=7),
+                  b"wire-secret")
+    policy_dict = signed.to_dict()
+    model = decode("commands", orjson.dumps(policy_dict), make_headers("commands", "n"))
     assert orjson.loads(encode(model)) == policy_dict
+    assert verify(PolicyCommand.from_dict(model.model_dump()), b"wire-secret")
+
+
+def test_absurd_payloads_and_flat_commands_are_dead_lettered_with_the_reason():
+    good = {"schema": "2.0", "id": "c1", "node": "n", "action": "hold", "payload": {"max_prompt_tokens": 0, "steps": 0},
+            "mode": "default", "issued_at_ns": 1, "ttl_ns": 2}
+    decode("commands", orjson.dumps(good))
+    for payload, field in (({"max_prompt_tokens": -1, "steps": -1}, "payload.max_prompt_tokens"),
+                           ({"max_prompt_tokens": 0, "steps": 2**63 - 1}, "payload.steps"),
+                           ({"units_needed": 5}, "payload.units_needed")):
+        with pytest.raises(DecodeError) as info:
+            decode("commands", orjson.dumps(good | {"payload": payload}))
+        assert info.value.reason == "invalid" and field in info.value.detail
+    with pytest.raises(DecodeError) as info:
+        decode("commands", orjson.dumps({k: v for k, v in good.items() if k != "payload"}))
+    assert info.value.reason == "invalid" and "payload" in info.value.detail
+    flat = {k: v for k, v in good.items() if k != "payload"} | {"schema": "1.0", "units_needed": 0, "max_moves": 0}
+    with pytest.raises(DecodeError) as info:
+        decode("commands", orjson.dumps(flat))
+    assert info.value.reason == "unknown_major" and "flat 1.x command" in info.value.detail
+    with pytest.raises(DecodeError) as info:  # the old header says so too
+        decode("commands", orjson.dumps(good), [("ce_type", b"io.kvguard.commands.v1")])
+    assert info.value.reason == "unknown_major"
+    unknown = good | {"action": "defragment", "payload": {"whatever": 1}}  # a newer minor's action passes the wire
+    assert decode("commands", orjson.dumps(unknown)).action == "defragment"
 
 
 def test_dlq_record_keeps_original_bytes_and_headers():

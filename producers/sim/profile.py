@@ -1,0 +1,120 @@
+"""One GPU's profile as typed values: its memory ledger (``Geometry``), scheduler limits, step-time model.
+
+``Profile`` is what every engine of the shadow fleet is built from. It names its engine kind
+(``engine``); the kind's parser in the registry (``producers.sim.registry``) turns a JSON object of
+``profiles.json`` into one (``producers.sim.profiles`` is the catalogue that reads the file). The
+step-time model is ``step_s = a + b*prefill_tokens + c*decode_seqs``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvguard.contracts.events import Geometry
+from kvguard.producers.vllm.step_memory import ModelShape
+
+
+class ProfileError(ValueError):
+    """A profile is unknown or one of its fields is missing or invalid."""
+
+    def __init__(self, name: str, field: str, expected: str):
+        self.name, self.field, self.expected = name, field, expected
+        super().__init__(f"profile {name!r}: field {field!r}: expected {expected}")
+
+    def __reduce__(self):  # crosses process pools (the static sweep) with its fields
+        return type(self), (self.name, self.field, self.expected)
+
+
+@dataclass(slots=True, frozen=True)
+class VllmSpec:
+    """The ``vllm`` section of a vLLM-engine profile: what sizes the worker's non-KV memory and what
+    the scheduler is configured with (vLLM 0.33 option names in the comments)."""
+
+    shape: ModelShape  # from the section's Hugging Face ``hf_config`` and ``tensor_parallel_size``
+    block_size: int = 16  # --block-size
+    non_torch_increase_bytes: int = 0  # non-torch growth during profiling (NCCL, cuBLAS handles)
+    cudagraph_bytes: int = 0  # CUDA-graph pool: subtracted as the estimate, then held after capture
+    cublas_workspace_bytes: int = 0  # cuBLAS + cuBLASLt workspace made at the profile's first GEMM
+    sampling: str = "top_p"  # the sampler path every request takes (model generation_config)
+    cudagraph_mode: str = "FULL_AND_PIECEWISE"  # --compilation-config cudagraph_mode
+    allocator_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF
+    policy: str = "fcfs"  # --scheduling-policy
+    enable_prefix_caching: bool = True
+    scheduler_reserve_full_isl: bool = True
+    watermark: float = 0.0
+    long_prefill_token_threshold: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class Profile:
+    name: str
+    description: str
+    geometry: Geometry
+    # bytes of the step's activation workspace per batched token held in the KV pool (0: none there,
+    # as on the vLLM engine, whose activations live in the caching allocator)
+    activation_bytes_per_token: int
+    max_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    step_base_s: float
+    step_prefill_token_s: float
+    step_decode_seq_s: float
+    swap_capacity_bytes: int
+    host_bandwidth_bytes_per_s: float
+    engine: str  # the engine kind that runs it (a key of producers.sim.registry.KINDS)
+    vllm: VllmSpec | None = None
+    memory: object | None = None  # vLLM engine: the measured ``sim.vllm.memory.MemoryLedger``
+
+    @property
+    def unit_tokens(self) -> int:
+        return self.geometry.unit_tokens
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.geometry.dynamic_units * self.geometry.unit_tokens
+
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
+        return self.step_base_s + self.step_prefill_token_s * prefill_tokens + self.step_decode_seq_s * decode_seqs
+
+    def workspace_units(self, batched_tokens: int) -> int:
+        """Units of the contiguous workspace buffer one step with ``batched_tokens`` needs in the KV
+        pool (0 when the profile's activations are not in the pool)."""
+        if not self.activation_bytes_per_token:
+            return 0
+        return max(1, -(-batched_tokens * self.activation_bytes_per_token // self.geometry.unit_bytes))
+
+    @property
+    def swap_capacity_units(self) -> int:
+        return self.swap_capacity_bytes // self.geometry.unit_bytes
+
+
+@dataclass(slots=True, frozen=True)
+class EngineKnobs:
+    """The start-up settings an operator passes to ``vllm serve`` that change memory or scheduling,
+    applied over a profile whose engine kind takes them (None: the profile's value). A profile with
+    knobs is re-measured: its KV block count follows from the profiling run under the new settings,
+    as in vLLM.
+
+    - ``gpu_memory_utilization``: ``--gpu-memory-utilization`` (vLLM default 0.9);
+    - ``max_num_batched_tokens`` / ``max_num_seqs``: ``--max-num-batched-tokens`` / ``--max-num-seqs``;
+    - ``allocator_conf``: ``PYTORCH_CUDA_ALLOC_CONF`` (e.g. ``expandable_segments:True``);
+    - ``watermark``: the share of KV blocks kept free when a waiting request is admitted.
+    """
+
+    gpu_memory_utilization: float | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    allocator_conf: str | None = None
+    watermark: float | None = None
+
+    def is_default(self) -> bool:
+        return all(getattr(self, f) is None for f in self.__slots__)
+
+    def to_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self.__slots__ if getattr(self, f) is not None}
+
+    def label(self) -> str:
+        """A short suffix naming the knobs, e.g. ``util0.95+mnbt1024``."""
+        short = {"gpu_memory_utilization": "util", "max_num_batched_tokens": "mnbt", "max_num_seqs": "seqs",
+                 "allocator_conf": "alloc=", "watermark": "wm"}
+        return "+".join(f"{short[k]}{v if v != '' else 'default'}" for k, v in self.to_dict().items())
