@@ -60,29 +60,45 @@ class EventLogFailed(OSError):
 def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = None, rate_scale: float = 1.0,
                    profile_name: str | None = None, seed: int = 0, events_out: Path | None = None,
                    drain: bool = True, flush_s: float = 10.0, progress=None, knobs=None,
-                   prompt_logprobs_frac: float = 0.0, logprobs_guard: bool = False) -> dict:
+                   prompt_logprobs_frac: float = 0.0, logprobs_guard: bool = False, engine_args=None,
+                   bench=None, max_concurrency: int | None = None, neighbour=None, leak=None,
+                   long_context_frac: float = 0.0, long_context_len: int = 0) -> dict:
     """The command's core, callable from Python: returns the JSON summary as a dict. ``knobs``: an
     ``EngineKnobs`` over the (vLLM) profile; ``prompt_logprobs_frac``: the share of requests asking
     for prompt logprobs (``echo`` + ``logprobs``, as lm-eval-harness's loglikelihood tasks do);
-    ``logprobs_guard``: kvguard's node-side logprob guard on (vLLM profiles)."""
+    ``logprobs_guard``: kvguard's node-side logprob guard on (vLLM profiles). ``engine_args``: an
+    ``EngineArgs`` (your model config, GPU and ``vllm serve`` flags) instead of a bundled profile;
+    ``bench``: a ``BenchRun`` (``vllm bench serve``'s random dataset and client) for ``--workload random``;
+    ``max_concurrency``: a closed-loop client over any workload; ``neighbour``/``leak``: memory outside
+    vLLM (``sim.vllm.external``); ``long_context_*``: a share of prompts made that long (class C3)."""
     from kvguard.contracts.units import NS_PER_S
     from kvguard.producers.sim.fleet import Fleet
     from kvguard.producers.sim.profiles import ProfileError, load_profile, prompt_cap_tokens
     from kvguard.producers.sim.vllm.engine import VllmEngineConfig
-    from kvguard.producers.sim.workloads import load_workload
+    from kvguard.producers.sim.workloads import load_workload, with_long_context
 
-    profile = load_profile(profile_name, knobs=knobs)
+    profile = engine_args.profile() if engine_args is not None else load_profile(profile_name, knobs=knobs)
     if prompt_logprobs_frac and profile.engine != "vllm":
         raise ProfileError(profile.name, "engine", "'vllm' for --prompt-logprobs-frac (the seed engine has no sampler)")
     # the seed engine caps prompts that could never fit one GPU's KV region (said in the notes); the
     # vLLM engine takes them as they are and rejects those over max_model_len, as vLLM does
-    wl = load_workload(workload, rate_scale=rate_scale, window=duration_s, seed=seed,
-                       max_prompt_tokens=prompt_cap_tokens(profile))
+    if bench is not None:
+        wl = bench.workload()
+    else:
+        wl = load_workload(workload, rate_scale=rate_scale, window=duration_s, seed=seed,
+                           max_prompt_tokens=prompt_cap_tokens(profile))
+    if long_context_frac:
+        wl = with_long_context(wl, long_context_frac, long_context_len, seed)
     if logprobs_guard and profile.engine != "vllm":
         raise ProfileError(profile.name, "engine", "'vllm' for --logprobs-guard (the seed engine has no sampler)")
-    config = VllmEngineConfig(prompt_logprobs_frac=prompt_logprobs_frac, logprobs_guard=logprobs_guard) \
-        if profile.engine == "vllm" else None
+    if (neighbour is not None or leak is not None) and profile.engine != "vllm":
+        raise ProfileError(profile.name, "engine", "'vllm' for --neighbour / --leak (the seed engine has no device)")
+    config = VllmEngineConfig(prompt_logprobs_frac=prompt_logprobs_frac, logprobs_guard=logprobs_guard,
+                              neighbour=neighbour, leak=leak) if profile.engine == "vllm" else None
     fleet = Fleet(gpus, profile, seed=seed, config=config)
+    if bench is not None or max_concurrency is not None:
+        return _run_closed_loop(fleet, wl, profile, bench, max_concurrency, duration_s, events_out, progress,
+                                knobs, seed, gpus, prompt_logprobs_frac, logprobs_guard, flush_s)
     fleet.submit_workload(wl)
     last_arrival_ns = wl.requests[-1].arrival_ns if wl.requests else 0
     end_ns = int(duration_s * NS_PER_S) if duration_s is not None else last_arrival_ns + int(flush_s * NS_PER_S)
@@ -121,6 +137,79 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
             except OSError as e:
                 write_error = write_error or e
     wall = time.perf_counter() - wall0
+    out = _summary(fleet, profile, wl, wall, gpus, rate_scale, seed, events_out, knobs, prompt_logprobs_frac,
+                   logprobs_guard)
+    if write_error is not None:
+        raise EventLogFailed(events_out, write_error, out)
+    return out
+
+
+class _EventLog:
+    """The optional event log of a run: opened at the start, written per batch, closed at the end; a
+    failed write stops writing and is reported after the run (``EventLogFailed``)."""
+
+    def __init__(self, path: Path | None, meta: dict):
+        self.path, self.writer, self.error = path, None, None
+        if path is not None:
+            from kvguard.wire.eventlog import EventLogWriter
+
+            try:
+                self.writer = EventLogWriter(path, meta).__enter__()
+            except OSError as e:
+                self.error = e
+
+    def write(self, batches) -> None:
+        if self.writer is None:
+            return
+        try:
+            for b in batches:
+                self.writer.write(b)
+        except OSError as e:
+            self.error, self.writer = e, _close_quietly(self.writer)
+
+    def close(self) -> OSError | None:
+        if self.writer is not None:
+            try:
+                self.writer.__exit__(None, None, None)
+            except OSError as e:
+                self.error = self.error or e
+        return self.error
+
+
+def _run_closed_loop(fleet, wl, profile, bench, max_concurrency, duration_s, events_out, progress, knobs, seed,
+                     gpus, prompt_logprobs_frac, logprobs_guard, flush_s) -> dict:
+    """``vllm bench serve``'s client over the fleet (``producers.sim.bench_serve``)."""
+    from kvguard.contracts.units import NS_PER_S
+    from kvguard.producers.sim.bench_serve import ClosedLoopClient
+
+    limit = bench.max_concurrency if bench is not None else max_concurrency
+    client = ClosedLoopClient(fleet, wl, limit)
+    log = _EventLog(events_out, {"workload": wl.name, "profile": profile.name, "gpus": gpus, "seed": seed,
+                                 "nodes": fleet.nodes, "workload_notes": wl.notes})
+    cap_s = duration_s if duration_s is not None else 7 * 86400.0
+    wall0 = time.perf_counter()
+    try:
+        client.run(cap_ns=int(cap_s * NS_PER_S), on_batches=log.write, flush_ns=int(flush_s * NS_PER_S))
+    finally:
+        write_error = log.close()
+    wall = time.perf_counter() - wall0
+    if progress is not None:
+        progress(1.0, 1.0)
+    out = _summary(fleet, profile, wl, wall, gpus, 1.0, seed, events_out, knobs, prompt_logprobs_frac,
+                   logprobs_guard)
+    out["bench"] = client.metrics()
+    out["bench"]["preemptions"] = out["preemptions"]
+    out["bench"]["kv_token_capacity"] = out.get("kv_token_capacity")
+    out["bench"]["max_concurrency"] = limit
+    if bench is not None:
+        out["bench"].update(bench.describe())
+    if write_error is not None:
+        raise EventLogFailed(events_out, write_error, out)
+    return out
+
+
+def _summary(fleet, profile, wl, wall, gpus, rate_scale, seed, events_out, knobs, prompt_logprobs_frac,
+             logprobs_guard) -> dict:
     out = fleet.summary().to_dict()
     out["wall_seconds"] = round(wall, 3)
     out["sim_speed_x"] = round(out["sim_seconds"] * gpus / wall, 1) if wall > 0 else None
@@ -132,6 +221,16 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
         out["logprobs_guard_steps"] = sum(e.logprobs_guard_steps for e in fleet.engines)
     if profile.memory is not None:
         out["kv_blocks"] = profile.memory.num_gpu_blocks
+        out["kv_token_capacity"] = profile.memory.kv_token_capacity
+        out["max_model_len"] = profile.max_model_len
+        out["startup_log"] = profile.memory.log_lines()
+    engines = fleet.engines
+    if any(getattr(e, "num_spec", 0) for e in engines):
+        drafts = sum(e.spec_drafts for e in engines)
+        out["spec_decode"] = {"num_speculative_tokens": engines[0].num_spec, "draft_tokens": drafts,
+                              "accepted_tokens": sum(e.spec_accepted for e in engines),
+                              "acceptance_rate": round(sum(e.spec_accepted for e in engines) / drafts, 4) if drafts else None}
+    out["startups_refused"] = sum(getattr(e, "startups_refused", 0) for e in engines)
     per_gpu = fleet.per_gpu()
     for d, e in zip(per_gpu, fleet.engines):
         d["oom_fragmentation"] = sum(o["fragmentation"] for o in e.oom_log)
@@ -142,8 +241,6 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
     out["rejected_by_reason"] = fleet.rejected_by_reason()
     out["engine"] = profile.engine
     out["per_gpu"] = per_gpu
-    if write_error is not None:
-        raise EventLogFailed(events_out, write_error, out)
     return out
 
 
@@ -202,6 +299,11 @@ def _print_table(out: dict) -> None:
                       f"retries {sum(a['num_alloc_retries'] for a in allocators)} (max over GPUs; retries summed)")
     if out["unfinished"]:
         console.print(f"{out['unfinished']} requests were still queued or running when the run ended")
+    if out.get("bench"):
+        _print_bench(console, out["bench"])
+    if out.get("startup_log"):
+        for line in out["startup_log"]:
+            console.print(f"  [dim]{line}[/]")
     console.print(f"{out['sim_seconds']:.0f} simulated s in {out['wall_seconds']:.1f} wall s "
                   f"({out['sim_speed_x']}x real time per GPU summed), {out['events']} events")
     if out["events_out"]:
@@ -236,22 +338,109 @@ def simulate(
     logprobs_guard: bool = typer.Option(
         False, "--logprobs-guard", help="vLLM profiles: kvguard's node-side guard that sizes each step so the "
                                         "logits of prompt-logprob requests fit the allocator's headroom."),
+    # -- your model, GPU and `vllm serve` flags (vLLM 0.33's names and defaults)
+    model_config: str = typer.Option(None, "--model-config", help="A Hugging Face config.json (or its directory) "
+                                     "of a dense Llama/Mistral/Qwen2/Qwen3 decoder, instead of --profile."),
+    gpu: str = typer.Option(None, "--gpu", help="With --model-config: h100-80gb, h200, b200, a100-40gb, l40s, "
+                            "rtx4090, rtx3090, rtx5090 (capacities as CUDA reports them)."),
+    gpu_memory_gib: float = typer.Option(None, "--gpu-memory-gib", help="With --model-config: the GPU's capacity "
+                                         "in GiB instead of a named --gpu (default 80)."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", min=1,
+                                             help="With --model-config: one simulated GPU is one TP rank."),
+    dtype: str = typer.Option("auto", "--dtype", help="With --model-config: auto, half, float16, bfloat16, float, "
+                              "float32."),
+    max_model_len: int = typer.Option(None, "--max-model-len", help="vLLM's --max-model-len (-1: fit it to the KV "
+                                      "cache)."),
+    kv_cache_memory_bytes: str = typer.Option(None, "--kv-cache-memory-bytes", help="vLLM's fixed KV cache size "
+                                              "(bytes, or 8G / 8589934592 as vLLM parses it) instead of "
+                                              "the utilization formula."),
+    watermark: float = typer.Option(None, "--watermark", help="vLLM's --watermark: share of KV blocks kept free "
+                                    "when admitting a waiting request (0.0 default, [0, 1))."),
+    max_num_seqs: int = typer.Option(None, "--max-num-seqs", min=1, help="vLLM's --max-num-seqs."),
+    max_num_queued_reqs: int = typer.Option(None, "--max-num-queued-reqs", min=0, help="vLLM's 503 cap on "
+                                            "unfinished requests (retryable rejections, counted by reason)."),
+    max_num_queued_tokens: str = typer.Option(None, "--max-num-queued-tokens", help="vLLM's 503 cap on the "
+                                              "prefill token backlog (10k accepted)."),
+    scheduling_policy: str = typer.Option(None, "--scheduling-policy", help="fcfs (default) or priority "
+                                          "(lower value first, then arrival; preempts the largest)."),
+    num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens", min=1, help="Speculative "
+                                               "decoding, draft_model method: drafts per step (with "
+                                               "--speculative-model-config)."),
+    speculative_model_config: str = typer.Option(None, "--speculative-model-config", help="The draft model's "
+                                                 "config.json (same vocabulary as the target)."),
+    spec_acceptance_rate: float = typer.Option(None, "--spec-acceptance-rate", help="Probability each draft "
+                                               "token is accepted (a workload property; default 0.7)."),
+    enforce_eager: bool = typer.Option(None, "--enforce-eager/--no-enforce-eager", help="vLLM's --enforce-eager: "
+                                       "no CUDA graphs, no graph estimate, no JIT kernel warm-up."),
+    model_runner: str = typer.Option(None, "--model-runner", help="v2 (vLLM 0.33's default) or v1 "
+                                     "(VLLM_USE_V2_MODEL_RUNNER=0)."),
+    attention_lse: str = typer.Option(None, "--attention-lse", help="FlashAttention LSE layout: total_q (vLLM "
+                                      "0.33), max_seqlen_q (FA2 before Dao-AILab PR#970) or max_seq_len "
+                                      "(padded by the context, club-3090 'Cliff 1')."),
+    # -- memory outside vLLM and traffic shapes (failure classes C3, C4, C7)
+    neighbour: str = typer.Option(None, "--neighbour", help="Another process on the GPU: SIZE[:RATE], e.g. "
+                                  "2GiB or 2GiB:+3GiB/h (present at start-up, growing at RATE)."),
+    leak: str = typer.Option(None, "--leak", help="Memory never returned: 1GiB/h, 4MiB/req or 1MiB/step (off by "
+                              "default); a restart returns it."),
+    long_context_frac: float = typer.Option(0.0, "--long-context-frac", help="Share of requests whose prompt is "
+                                            "--long-context-len tokens."),
+    long_context_len: int = typer.Option(0, "--long-context-len", min=0, help="Prompt length of the long-context "
+                                         "share."),
+    # -- `vllm bench serve` (with --workload random, or --max-concurrency over any workload)
+    random_input_len: int = typer.Option(1024, "--random-input-len", min=0, help="vllm bench serve: input length."),
+    random_output_len: int = typer.Option(128, "--random-output-len", min=0, help="vllm bench serve: output length."),
+    random_range_ratio: float = typer.Option(0.0, "--random-range-ratio", help="vllm bench serve: lengths uniform "
+                                             "in [L(1-r), L(1+r)], r in [0, 1)."),
+    random_prefix_len: int = typer.Option(0, "--random-prefix-len", min=0, help="vllm bench serve: a shared "
+                                          "prefix added to every prompt."),
+    num_prompts: int = typer.Option(1000, "--num-prompts", min=1, help="vllm bench serve: requests."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="vllm bench serve: generate the full output "
+                                    "length (the shadow engine never stops early)."),
+    max_concurrency: int = typer.Option(None, "--max-concurrency", help="vllm bench serve: at most N requests in "
+                                        "flight (a closed-loop client)."),
+    request_rate: float = typer.Option(math.inf, "--request-rate", help="vllm bench serve: requests/s (inf: all "
+                                       "at once)."),
+    burstiness: float = typer.Option(1.0, "--burstiness", help="vllm bench serve: gamma shape of the "
+                                     "inter-arrivals (1: Poisson)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
-    """Run the shadow engine over a workload and report OOMs, preemptions, latency and goodput."""
+    """Run the shadow engine over a workload and report OOMs, preemptions, latency and goodput.
+
+    Bring your own model and GPU with --model-config and --gpu/--gpu-memory-gib, with vLLM 0.33's flag
+    names and defaults; rerun a `vllm bench serve` benchmark with --workload random and its flags."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvguard.producers.sim.profiles import EngineKnobs, ProfileError
+    from kvguard.producers.sim.bench_serve import BenchArgsError
+    from kvguard.producers.sim.model_config import ModelConfigError, UnsupportedArchitecture
+    from kvguard.producers.sim.profiles import ProfileError
+    from kvguard.producers.sim.vllm.external import ScheduleError
     from kvguard.producers.sim.workloads import WorkloadError
 
     check_rate_scale(rate_scale)
     if not 0.0 <= prompt_logprobs_frac <= 1.0:
         raise typer.BadParameter(f"expected a share in [0, 1], got {prompt_logprobs_frac}",
                                  param_hint="--prompt-logprobs-frac")
-    knobs = EngineKnobs(gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
-                        allocator_conf=alloc_conf)
+    flags = dict(gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
+                 alloc_conf=alloc_conf, max_model_len=max_model_len,
+                 kv_cache_memory_bytes=_human_int(kv_cache_memory_bytes, "--kv-cache-memory-bytes"),
+                 watermark=watermark, max_num_seqs=max_num_seqs, max_num_queued_reqs=max_num_queued_reqs,
+                 max_num_queued_tokens=_human_int(max_num_queued_tokens, "--max-num-queued-tokens"),
+                 scheduling_policy=scheduling_policy, num_speculative_tokens=num_speculative_tokens,
+                 speculative_model_config=speculative_model_config, spec_acceptance_rate=spec_acceptance_rate,
+                 enforce_eager=enforce_eager, model_runner=model_runner, attention_lse=attention_lse)
     duration_s = parse_duration(duration) if duration else None
+    try:
+        knobs, engine_args = engine_settings(flags, model_config=model_config, gpu=gpu, gpu_memory_gib=gpu_memory_gib,
+                                             tensor_parallel_size=tensor_parallel_size, dtype=dtype)
+        bench, schedules = None, {}
+        if workload == "random":
+            bench = bench_run(engine_args, random_input_len, random_output_len, random_range_ratio, random_prefix_len,
+                              num_prompts, seed, ignore_eos, max_concurrency, request_rate, burstiness)
+        schedules = external_schedules(neighbour, leak)
+    except (ProfileError, ModelConfigError, UnsupportedArchitecture, BenchArgsError, ScheduleError) as e:
+        Console(stderr=True).print(f"[red]error:[/] {e}", soft_wrap=True)
+        raise typer.Exit(2) from None
     err = Console(stderr=True)
     bar = Progress(TextColumn("simulating"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} sim s"),
                    TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal)
@@ -265,15 +454,102 @@ def simulate(
             out = run_simulation(workload, gpus=gpus, duration_s=duration_s, rate_scale=rate_scale,
                                  profile_name=profile, seed=seed, events_out=events_out, drain=drain,
                                  progress=progress, knobs=knobs, prompt_logprobs_frac=prompt_logprobs_frac,
-                                 logprobs_guard=logprobs_guard)
-    except (WorkloadError, ProfileError) as e:
-        err.print(f"[red]error:[/] {e}")
+                                 logprobs_guard=logprobs_guard, engine_args=engine_args, bench=bench,
+                                 max_concurrency=max_concurrency if bench is None else None,
+                                 long_context_frac=long_context_frac, long_context_len=long_context_len, **schedules)
+    except (WorkloadError, ProfileError, ModelConfigError, UnsupportedArchitecture, BenchArgsError) as e:
+        err.print(f"[red]error:[/] {e}", soft_wrap=True)
         raise typer.Exit(2) from None
     except EventLogFailed as e:
         _print(e.summary, as_json)
         err.print(f"[red]error:[/] {e}", soft_wrap=True)
         raise typer.Exit(1) from None
     _print(out, as_json)
+
+
+def _print_bench(console, b: dict) -> None:
+    """The result block ``vllm bench serve`` prints (``benchmarks/serve.py``), plus preemptions and KV size."""
+    rows = [("Successful requests:", b["completed"]), ("Failed requests:", b["failed"]),
+            ("Maximum request concurrency:", b.get("max_concurrency")),
+            ("Benchmark duration (s):", f"{b['duration']:.2f}"), ("Total input tokens:", b["total_input_tokens"]),
+            ("Total generated tokens:", b["total_output_tokens"]),
+            ("Request throughput (req/s):", b["request_throughput"]),
+            ("Output token throughput (tok/s):", b["output_throughput"]),
+            ("Total token throughput (tok/s):", b["total_token_throughput"]),
+            ("Peak concurrent requests:", b["max_concurrent_requests"]),
+            ("Preemptions:", b["preemptions"]), ("GPU KV cache size (tokens):", b.get("kv_token_capacity"))]
+    console.print("[bold]============ Serving Benchmark Result ============[/]")
+    for label, value in rows:
+        console.print(f"{label:<40}{value}")
+    for title, key in (("Time to First Token", "ttft"), ("Time per Output Token (excl. 1st token)", "tpot"),
+                       ("Inter-token Latency", "itl")):
+        console.print(f"[bold]{title:-^50}[/]")
+        for stat in ("mean", "median", "p99"):
+            console.print(f"{stat.capitalize() if stat != 'p99' else 'P99'} {key.upper()} (ms):".ljust(40)
+                          + f"{b[f'{stat}_{key}_ms']:.2f}")
+
+
+def _human_int(text: str | None, flag: str) -> int | None:
+    """vLLM's ``human_readable_int``: 1k = 1000, 1K = 1024, 8G = 8 * 2**30 (no decimals with binary suffixes)."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text.strip())
+    if m:
+        number, suffix = m.groups()
+        if suffix.islower():
+            return int(float(number) * 10 ** (3 * "kmgt".index(suffix) + 3))
+        if "." in number:
+            raise typer.BadParameter(f"Decimals are not allowed with binary suffixes like {suffix}. Did you mean to "
+                                     f"use {number}{suffix.lower()} instead?", param_hint=flag)
+        return int(number) * 2 ** (10 * ("KMGT".index(suffix) + 1))
+    try:
+        return int(text)
+    except ValueError:
+        raise typer.BadParameter(f"expected an integer like 8589934592, 8G or 10k, got {text!r}",
+                                 param_hint=flag) from None
+
+
+def engine_settings(flags: dict, *, model_config, gpu, gpu_memory_gib, tensor_parallel_size, dtype):
+    """(``EngineKnobs`` over a bundled profile, ``EngineArgs`` for your own model): the same flags either way."""
+    from kvguard.producers.sim.engine_args import EngineArgs
+    from kvguard.producers.sim.profiles import EngineKnobs
+
+    given = {k: v for k, v in flags.items() if v is not None}
+    if model_config is None:
+        if gpu is not None or gpu_memory_gib is not None or tensor_parallel_size != 1 or dtype != "auto":
+            raise typer.BadParameter("--gpu, --gpu-memory-gib, --tensor-parallel-size and --dtype need "
+                                     "--model-config (a bundled --profile fixes them)", param_hint="--model-config")
+        renamed = {("allocator_conf" if k == "alloc_conf" else k): v for k, v in given.items()}
+        return EngineKnobs(**renamed), None
+    args = {("alloc_conf" if k == "alloc_conf" else k): v for k, v in given.items()}
+    return None, EngineArgs(model_config=model_config, gpu=gpu, gpu_memory_gib=gpu_memory_gib,
+                            tensor_parallel_size=tensor_parallel_size, dtype=dtype, **args)
+
+
+def bench_run(engine_args, input_len, output_len, range_ratio, prefix_len, num_prompts, seed, ignore_eos,
+              max_concurrency, request_rate, burstiness):
+    """``vllm bench serve --dataset-name random`` with these flags (``producers.sim.bench_serve``)."""
+    from kvguard.producers.sim.bench_serve import BenchRun, RandomDataset
+
+    special, vocab = 1, 128256
+    if engine_args is not None:
+        from kvguard.producers.sim.model_config import load_model_config
+
+        model = load_model_config(engine_args.model_config)
+        vocab = int(model.hf_config["vocab_size"])
+        special = 0 if model.architecture.startswith("Qwen") else 1  # Llama/Mistral tokenizers add a BOS
+    dataset = RandomDataset(num_prompts=num_prompts, input_len=input_len, output_len=output_len,
+                            range_ratio=range_ratio, prefix_len=prefix_len, seed=seed, num_special_tokens=special,
+                            vocab_size=vocab)
+    return BenchRun(dataset, request_rate=request_rate, burstiness=burstiness, max_concurrency=max_concurrency,
+                    ignore_eos=ignore_eos)
+
+
+def external_schedules(neighbour: str | None, leak: str | None) -> dict:
+    from kvguard.producers.sim.vllm.external import Leak, Neighbour
+
+    return {"neighbour": Neighbour.parse(neighbour) if neighbour else None,
+            "leak": Leak.parse(leak) if leak else None}
 
 
 def _print(out: dict, as_json: bool) -> None:
