@@ -357,6 +357,9 @@ def simulate(
     watermark: float = typer.Option(None, "--watermark", help="vLLM's --watermark: share of KV blocks kept free "
                                     "when admitting a waiting request (0.0 default, [0, 1))."),
     max_num_seqs: int = typer.Option(None, "--max-num-seqs", min=1, help="vLLM's --max-num-seqs."),
+    scheduler_reserve_full_isl: bool = typer.Option(
+        None, "--scheduler-reserve-full-isl/--no-scheduler-reserve-full-isl", help="vLLM's full-sequence "
+        "admission gate (on by default in 0.33)."),
     max_num_queued_reqs: int = typer.Option(None, "--max-num-queued-reqs", min=0, help="vLLM's 503 cap on "
                                             "unfinished requests (retryable rejections, counted by reason)."),
     max_num_queued_tokens: str = typer.Option(None, "--max-num-queued-tokens", help="vLLM's 503 cap on the "
@@ -428,7 +431,8 @@ def simulate(
                  max_num_queued_tokens=_human_int(max_num_queued_tokens, "--max-num-queued-tokens"),
                  scheduling_policy=scheduling_policy, num_speculative_tokens=num_speculative_tokens,
                  speculative_model_config=speculative_model_config, spec_acceptance_rate=spec_acceptance_rate,
-                 enforce_eager=enforce_eager, model_runner=model_runner, attention_lse=attention_lse)
+                 enforce_eager=enforce_eager, model_runner=model_runner, attention_lse=attention_lse,
+                 scheduler_reserve_full_isl=scheduler_reserve_full_isl)
     duration_s = parse_duration(duration) if duration else None
     try:
         knobs, engine_args = engine_settings(flags, model_config=model_config, gpu=gpu, gpu_memory_gib=gpu_memory_gib,

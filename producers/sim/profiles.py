@@ -348,6 +348,7 @@ class EngineKnobs:
     speculative_model_config: str | None = None
     rejection_chunk_bytes: int | None = None
     spec_acceptance_rate: float | None = None
+    scheduler_reserve_full_isl: bool | None = None
 
     def is_default(self) -> bool:
         return all(getattr(self, f) is None for f in self.__slots__)
@@ -362,7 +363,8 @@ class EngineKnobs:
                  "enforce_eager": "eager", "model_runner": "runner", "scheduling_policy": "policy=",
                  "max_num_queued_reqs": "qreqs", "max_num_queued_tokens": "qtok", "attention_lse": "lse=",
                  "num_speculative_tokens": "spec", "speculative_model_config": "draft=",
-                 "rejection_chunk_bytes": "chunk", "spec_acceptance_rate": "accept"}
+                 "rejection_chunk_bytes": "chunk", "spec_acceptance_rate": "accept",
+                 "scheduler_reserve_full_isl": "fullisl"}
         return "+".join(f"{short[k]}{v if v != '' else 'default'}" for k, v in self.to_dict().items())
 
     def apply(self, name: str, d: dict) -> dict:
@@ -391,7 +393,8 @@ class EngineKnobs:
                           ("max_num_queued_tokens", "max_num_queued_tokens"), ("attention_lse", "attention_lse"),
                           ("num_speculative_tokens", "num_speculative_tokens"),
                           ("rejection_chunk_bytes", "rejection_chunk_bytes"),
-                          ("spec_acceptance_rate", "spec_acceptance_rate")):
+                          ("spec_acceptance_rate", "spec_acceptance_rate"),
+                          ("scheduler_reserve_full_isl", "scheduler_reserve_full_isl")):
             if getattr(self, knob) is not None:
                 section[key] = getattr(self, knob)
         if self.speculative_model_config is not None:

@@ -313,36 +313,30 @@ def warmup_num_reqs(max_num_seqs: int, max_num_batched_tokens: int, decode_query
     return min(n, max(1, (num_blocks - 1) // blocks))
 
 
-def warmup_plan_v2(shape: ModelShape, num_reqs: int, decode_query_len: int, draft: ModelShape | None = None,
-                   num_speculative_tokens: int = 0, chunk_bytes: int | None = MAX_CHUNK_BYTES) -> StepPlan:
-    """``warmup_kernels``: the prefill step's forward and warm-up-parameter sampling (structured-output
-    bitmask included), then the decode step in which every request verifies ``decode_query_len`` rows."""
+def warmup_plans_v2(shape: ModelShape, runner: RunnerConfig, kernel: AttentionKernel, num_reqs: int,
+                    decode_query_len: int, draft: ModelShape | None = None, num_speculative_tokens: int = 0,
+                    chunk_bytes: int | None = MAX_CHUNK_BYTES) -> tuple[StepPlan, StepPlan]:
+    """``warmup_kernels``: the prefill step (forward, warm-up-parameter sampling with the structured-output
+    bitmask), then the decode step in which every request computes ``decode_query_len`` tokens (with a
+    speculator: verifies that many rows, then drafts). Both run eagerly: no graph is captured yet."""
+    eager = RunnerConfig(max_num_batched_tokens=runner.max_num_batched_tokens, max_num_seqs=runner.max_num_seqs,
+                         cudagraph_mode="NONE", num_sms=runner.num_sms)
     prefill = num_reqs * (decode_query_len + 1)
-    pro, lay, epi = _forward(shape, prefill, "profile", None, 0)
+    pro, lay, epi = _forward(shape, prefill, "kernel", None, 0,
+                             _attention_ops(shape, prefill, prefill, 1, False))
     b, vocab = shape.dtype_bytes, shape.vocab_size
     epi.alloc("sample_hidden", num_reqs * shape.hidden_size * b)
     _logits(epi, shape, num_reqs)
     epi.alloc("grammar_bitmask", num_reqs * decode_query_len * -(-vocab // 32) * 4)
     sampler_v2(epi, shape, num_reqs, "top_k_top_p", logprobs=WARMUP_LOGPROBS)
     epi.free("sampled", "grammar_bitmask", "logits", "sample_hidden")
+    if draft is not None and num_speculative_tokens:
+        _drafter(epi, draft, prefill, num_reqs, num_speculative_tokens, "kernel")
     epi.ops.append(MemOp("free", HIDDEN, round_block(prefill * shape.hidden_size * b)))
     rows = num_reqs * decode_query_len
-    decode = _Ops()
-    decode.sizes.update(epi.sizes)
-    if num_speculative_tokens:
-        decode.alloc(TAG_SPEC + "sample_hidden", rows * shape.hidden_size * b)
-        _logits(decode, shape, rows, TAG_SPEC + "logits")
-        _rejection(decode, shape, rows, decode_query_len, chunk_bytes, True)
-        decode.free(TAG_SPEC + "sampled", TAG_SPEC + "logits", TAG_SPEC + "sample_hidden")
-        if draft is not None:
-            _drafter(decode, draft, rows, num_reqs, num_speculative_tokens, "kernel")
-    else:
-        decode.alloc("sample_hidden", rows * shape.hidden_size * b)
-        _logits(decode, shape, rows)
-        sampler_v2(decode, shape, rows, "top_k_top_p", logprobs=WARMUP_LOGPROBS)
-        decode.free("sampled", "logits", "sample_hidden")
-    epi.ops += decode.ops
-    return _plan(pro, lay, shape.num_layers, epi)
+    decode = step_plan_v2(shape, eager, kernel, rows, num_reqs, rows == num_reqs, "top_k_top_p", (0, 1),
+                          rows if num_speculative_tokens else 0, draft, num_speculative_tokens, chunk_bytes)
+    return _plan(pro, lay, shape.num_layers, epi), decode
 
 
 def prompt_logprobs_ops(o: _Ops, s: ModelShape, positions: int) -> None:

@@ -245,7 +245,12 @@ class VllmEngine:
             return False
         if neighbour is not None and self.config.neighbour is not None:
             memory.neighbour = self.config.neighbour  # keeps following the schedule from here
-        if now_ns == 0 and memory.ledger != p.memory:
+        # a neighbour changes the free memory seen at the snapshot, never the KV cache (requested is
+        # total * utilization, and what it holds is outside total_consumed)
+        same = memory.ledger == p.memory if neighbour is None else \
+            (memory.ledger.num_gpu_blocks, memory.ledger.kv_cache_bytes) == (p.memory.num_gpu_blocks,
+                                                                             p.memory.kv_cache_bytes)
+        if now_ns == 0 and not same:
             raise AssertionError("the worker measured a different start-up ledger than its profile")
         self.memory = memory
         return True

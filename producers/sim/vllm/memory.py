@@ -463,7 +463,8 @@ class WorkerMemory:
             warm = v2.warmup_num_reqs(max_seqs, max_tokens, dql, num_blocks, spec.block_size, k, max_model_len, k > 0)
             chunk = getattr(spec, "rejection_chunk_bytes", v2.MAX_CHUNK_BYTES) or None
             try:
-                self._replay(v2.warmup_plan_v2(shape, warm, dql, draft, k, chunk), now)
+                for plan in v2.warmup_plans_v2(shape, self.runner, self.kernel, warm, dql, draft, k, chunk):
+                    self._replay(plan, now)
             except StepOOM as e:
                 raise StartupRefused("total_bytes", f"room for the kernel warm-up ({e.error})", str(e.error)) from None
         device.reserve_external(graphs)

@@ -104,3 +104,29 @@ def test_simulate_reruns_a_vllm_bench_serve_command_line():
     assert b["completed"] == 40 and b["max_concurrency"] == 8 and b["kv_token_capacity"] == out["kv_token_capacity"]
     table = CliRunner().invoke(app, args[:-1])
     assert "Serving Benchmark Result" in table.output and "Output token throughput (tok/s):" in table.output
+
+
+LLAMA = str(CONFIGS / "llama-3.1-8b-instruct.json")
+ISSUE_21 = ["simulate", "--model-config", LLAMA, "--gpu-memory-gib", "80", "--workload", "random",
+            "--random-input-len", "2000", "--random-output-len", "3000", "--random-range-ratio", "0.25",
+            "--ignore-eos", "--kv-cache-memory-bytes", "8589934592", "--json"]
+
+
+def test_issue_21s_benchmark_is_refused_as_vllm_refuses_it_without_a_max_model_len():
+    """8 GiB of KV holds 65,520 tokens; Llama-3.1-8B derives 131,072: vLLM 0.33 refuses to start."""
+    result = CliRunner().invoke(app, ISSUE_21 + ["--num-prompts", "10", "--max-concurrency", "4"])
+    assert result.exit_code == 2
+    assert "the estimated maximum model length is 65520" in " ".join(result.output.split())
+
+
+def test_the_watermark_lowers_preemptions_in_issue_21s_closed_loop():
+    """The same closed loop at 96 in flight (120 prompts instead of 300, to keep the test short)."""
+    preemptions = {}
+    for wm in ("0", "0.05"):
+        result = CliRunner().invoke(app, ISSUE_21 + ["--num-prompts", "120", "--max-concurrency", "96",
+                                                     "--max-model-len", "32768", "--watermark", wm])
+        assert result.exit_code == 0, result.output
+        b = json.loads(result.stdout.strip().splitlines()[-1])["bench"]
+        assert b["kv_token_capacity"] == 65536 and b["completed"] == 120
+        preemptions[wm] = b["preemptions"]
+    assert preemptions["0"] > preemptions["0.05"] > 0
