@@ -227,9 +227,10 @@ def _summary(fleet, profile, wl, wall, gpus, rate_scale, seed, events_out, knobs
     engines = fleet.engines
     if any(getattr(e, "num_spec", 0) for e in engines):
         drafts = sum(e.spec_drafts for e in engines)
+        accepted = sum(e.spec_accepted for e in engines)
         out["spec_decode"] = {"num_speculative_tokens": engines[0].num_spec, "draft_tokens": drafts,
-                              "accepted_tokens": sum(e.spec_accepted for e in engines),
-                              "acceptance_rate": round(sum(e.spec_accepted for e in engines) / drafts, 4) if drafts else None}
+                              "accepted_tokens": accepted,
+                              "acceptance_rate": round(accepted / drafts, 4) if drafts else None}
     out["startups_refused"] = sum(getattr(e, "startups_refused", 0) for e in engines)
     per_gpu = fleet.per_gpu()
     for d, e in zip(per_gpu, fleet.engines):
@@ -239,6 +240,9 @@ def _summary(fleet, profile, wl, wall, gpus, rate_scale, seed, events_out, knobs
     out["ooms_from_fragmentation"] = sum(d["oom_fragmentation"] for d in per_gpu)
     out["ooms_by_cause"] = fleet.ooms_by_cause()
     out["rejected_by_reason"] = fleet.rejected_by_reason()
+    from kvguard.producers.sim.vllm.engine import RETRYABLE_REASONS  # the CLI's imports are lazy (cli/app.py)
+
+    out["rejected_retryable"] = sum(n for reason, n in out["rejected_by_reason"].items() if reason in RETRYABLE_REASONS)
     out["engine"] = profile.engine
     out["per_gpu"] = per_gpu
     return out
@@ -327,7 +331,8 @@ def simulate(
     drain: bool = typer.Option(True, "--drain/--no-drain", help="After the window, run until in-flight work ends."),
     gpu_memory_utilization: float = typer.Option(
         None, "--gpu-memory-utilization", help="vLLM profiles: vLLM's --gpu-memory-utilization (default: the "
-                                               "profile's, 0.9); the KV cache is re-sized by the profiling run."),
+                                               "profile's: vLLM 0.33's 0.92); the KV cache is re-sized by the "
+                                               "profiling run."),
     max_num_batched_tokens: int = typer.Option(
         None, "--max-num-batched-tokens", min=1, help="vLLM profiles: the per-step token budget."),
     alloc_conf: str = typer.Option(

@@ -232,7 +232,8 @@ def _vllm_spec(name: str, section) -> VllmSpec:
                                                               tensor_parallel_size=shape.tensor_parallel_size,
                                                               dtype=section.get("draft_dtype"))
         except (KeyError, TypeError, ValueError) as e:
-            raise ProfileError(name, "vllm.draft_hf_config", f"the Llama-style fields step_memory reads ({e})") from None
+            raise ProfileError(name, "vllm.draft_hf_config",
+                               f"the Llama-style fields step_memory reads ({e})") from None
     elif values.get("num_speculative_tokens"):
         raise ProfileError(name, "vllm.draft_hf_config", "a draft model with num_speculative_tokens",
                            "num_speculative_tokens was provided but without speculative model.")
@@ -325,10 +326,14 @@ class EngineKnobs:
     applied over a vLLM profile (None: the profile's value). A profile with knobs is re-measured:
     its KV block count follows from the profiling run under the new settings, as in vLLM.
 
-    - ``gpu_memory_utilization``: ``--gpu-memory-utilization`` (vLLM default 0.9);
+    - ``gpu_memory_utilization``: ``--gpu-memory-utilization`` (vLLM 0.33's default 0.92);
     - ``max_num_batched_tokens`` / ``max_num_seqs``: ``--max-num-batched-tokens`` / ``--max-num-seqs``;
     - ``allocator_conf``: ``PYTORCH_CUDA_ALLOC_CONF`` (e.g. ``expandable_segments:True``);
-    - ``watermark``: the share of KV blocks kept free when a waiting request is admitted.
+    - ``watermark``: the share of KV blocks kept free when a waiting request is admitted;
+    - the rest with vLLM's flag names (``max_model_len``, ``kv_cache_memory_bytes``, ``enforce_eager``,
+      ``scheduling_policy``, the queue caps, ``num_speculative_tokens`` with ``speculative_model_config``,
+      ``scheduler_reserve_full_isl``), ``model_runner`` (``VLLM_USE_V2_MODEL_RUNNER``) and kvguard's
+      own ``attention_lse``, ``rejection_chunk_bytes`` and ``spec_acceptance_rate`` (``VllmSpec``).
     """
 
     gpu_memory_utilization: float | None = None
@@ -419,8 +424,8 @@ def draft_section(path: str, section: dict, name: str = "<profile>") -> dict:
             f"Draft model vocab_size={draft_vocab}. Using models with different tokenizers can cause out-of-bounds "
             f"errors during speculative decoding."))
     tp = int(section.get("tensor_parallel_size", 1))
-    return {"draft_hf_config": draft.hf_config,
-            "draft_weights_bytes": draft.weights_bytes(tensor_parallel_size=tp, dtype=section.get("draft_dtype", "auto"))}
+    weights = draft.weights_bytes(tensor_parallel_size=tp, dtype=section.get("draft_dtype", "auto"))
+    return {"draft_hf_config": draft.hf_config, "draft_weights_bytes": weights}
 
 
 def load_profile(name: str | None = None, path: str | None = None, knobs: EngineKnobs | None = None) -> Profile:

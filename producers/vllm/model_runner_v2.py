@@ -144,7 +144,8 @@ def _attention_ops(shape: ModelShape, num_tokens: int, lse_rows: int, splits: in
         names = [lse]
         if splits > 1:
             o.alloc(TAG_LONG_CONTEXT + "attn_lse_accum", splits * shape.heads_per_rank * num_tokens * 4)
-            o.alloc(TAG_LONG_CONTEXT + "attn_out_accum", splits * shape.heads_per_rank * num_tokens * shape.head_dim * 4)
+            o.alloc(TAG_LONG_CONTEXT + "attn_out_accum",
+                    splits * shape.heads_per_rank * num_tokens * shape.head_dim * 4)
             names += [TAG_LONG_CONTEXT + "attn_lse_accum", TAG_LONG_CONTEXT + "attn_out_accum"]
         o.free(*reversed(names))
     return kernel

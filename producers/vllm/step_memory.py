@@ -14,6 +14,7 @@ Sizes are the tensor sizes the code requests; every allocation is rounded up to 
 the caching allocator's ``round_size`` does. Block splitting and segment sizes are the
 allocator twin's job, not this module's. The model is a dense Llama-style decoder run by the
 V1 ``GPUModelRunner`` with custom (non-Inductor) ops; docs/NODE_MEMORY.md says what is left out.
+vLLM 0.33's default runner (Model Runner V2) is ``model_runner_v2``, built on this module's forward.
 """
 
 from __future__ import annotations

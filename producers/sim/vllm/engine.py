@@ -419,8 +419,8 @@ class VllmEngine:
         # waiting queue cannot move before a finish or an arrival (it is empty, or this step was
         # decode-only with the same budget and seats as the next one and refused its head)
         waiting = len(sched.waiting)
-        self._quiet = (not self.num_spec and not self.finish_listeners_waiting()
-                       and not sched.preempted_in_step and seqs == len(out.sampling_ids) == running_before + len(kv.admitted)
+        self._quiet = (not self.num_spec and not self.finish_listeners_waiting() and not sched.preempted_in_step
+                       and seqs == len(out.sampling_ids) == running_before + len(kv.admitted)
                        and (not waiting or (not kv.admitted and total == seqs and not finished)))
         return True
 

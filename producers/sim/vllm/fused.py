@@ -133,7 +133,7 @@ def fused_decode(engine, until_ns: int) -> bool:
     # the allocator first, step by step, each step's rows kept apart to be placed in order
     saved, twin_rows, oom = rec._rows, {}, None
     memory = engine.memory
-    eager_from = memory.runner.capture_sizes[-1] if memory.runner.capture_sizes else 0
+    eager_from = memory.largest_graph
     for j, (t, n) in enumerate(zip(starts, sizes)):
         rec._rows = bytearray()
         try:

@@ -62,8 +62,8 @@ from kvguard.producers.sim.torch_allocator.caching_allocator import (
     OutOfMemoryError,
 )
 from kvguard.producers.sim.torch_allocator.config import K_SMALL_BUFFER, K_SMALL_SIZE
-from kvguard.producers.vllm import model_runner_v2 as v2
 from kvguard.producers.sim.vllm.external import LEAK_GRANULE, NEIGHBOUR_GRANULE
+from kvguard.producers.vllm import model_runner_v2 as v2
 from kvguard.producers.vllm.step_memory import (
     CUBLAS_WORKSPACE_OTHER,
     CUBLASLT_WORKSPACE,
@@ -147,6 +147,7 @@ class MemoryLedger:
     total_consumed_bytes: int = 0  # init free - free after profiling (weights, buffers, non-torch)
     max_model_len: int = 0
     warmup_reqs: int = 0  # requests of the post-KV warm-up (warmup_kernels)
+    kv_cache_memory_fixed: bool = False  # --kv-cache-memory-bytes: the formula was skipped
 
     @property
     def kv_tensor_bytes(self) -> int:
@@ -171,7 +172,12 @@ class MemoryLedger:
     def log_lines(self) -> list[str]:
         """vLLM 0.33's start-up lines for these numbers (format strings of ``gpu_worker.py``, ``kv_cache_utils.py``)."""
         lines = [f"Model loading took {format_gib(self.weights_bytes)} GiB memory"]
-        if self.requested_bytes:
+        if self.kv_cache_memory_fixed:
+            lines.append(f"Initial free memory {format_gib(self.init_free_bytes)} GiB, reserved "
+                         f"{format_gib(self.kv_cache_bytes)} GiB memory for KV Cache as specified by "
+                         f"kv_cache_memory_bytes config and skipped memory profiling. This does not respect the "
+                         f"gpu_memory_utilization config.")
+        elif self.requested_bytes:
             lines.append(f"Available KV cache memory: {format_gib(self.kv_cache_bytes)} GiB")
             lines.append(f"Free memory on device ({format_gib(self.init_free_bytes)}/{format_gib(self.total_bytes)} "
                          f"GiB) on startup. Desired GPU memory utilization is "
@@ -268,7 +274,8 @@ def check_kv_fits(available: int, block_bytes: int, block_size: int, max_model_l
     needed = -(-max_model_len // block_size) * block_bytes
     if needed > check:
         estimated = check // block_bytes * block_size
-        hint = f"Based on the available memory, the estimated maximum model length is {estimated}. " if estimated else ""
+        hint = f"Based on the available memory, the estimated maximum model length is {estimated}. " \
+            if estimated else ""
         raise StartupRefused("max_model_len", f"a KV cache that holds one request of max_model_len={max_model_len}", (
             f"To serve at least one request with the model's max seq len ({max_model_len}), ({format_gib(needed)} "
             f"GiB KV cache is needed, which is larger than the available KV cache memory ({format_gib(check)} GiB). "
@@ -314,12 +321,15 @@ class WorkerMemory:
         self.fast = fast
         self.v2 = getattr(spec, "model_runner", "v1") == "v2"
         self.runner = RunnerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                   cudagraph_mode="NONE" if getattr(spec, "enforce_eager", False) else spec.cudagraph_mode,
+                                   cudagraph_mode="NONE" if getattr(spec, "enforce_eager", False)
+                                   else spec.cudagraph_mode,
                                    fa2_split_kv=not self.v2 and getattr(spec, "attention_version", 3) == 2,
                                    num_sms=getattr(spec, "num_sms", 132))
         self.kernel = v2.AttentionKernel(getattr(spec, "attention_version", 3), getattr(spec, "num_sms", 132),
                                          getattr(spec, "attention_lse", "total_q"))
         self.neighbour, self.leak = neighbour, leak
+        sizes = self.runner.capture_sizes
+        self.largest_graph = sizes[-1] if sizes else 0  # steps with more tokens run eagerly
         self.neighbour_bytes = self.neighbour_start_bytes = 0
         self.leaked: list[int] = []  # addresses of blocks never freed (C7)
         self.leaked_bytes = 0
@@ -473,7 +483,7 @@ class WorkerMemory:
         return MemoryLedger(total, context, weights, persistent, transient, spec.non_torch_increase_bytes, graphs,
                             available, per_token, block_bytes, num_blocks, requested_bytes=requested,
                             init_free_bytes=init_free, total_consumed_bytes=total_consumed,
-                            max_model_len=max_model_len, warmup_reqs=warm)
+                            max_model_len=max_model_len, warmup_reqs=warm, kv_cache_memory_fixed=bool(fixed))
 
     def _persistent_malloc(self, name: str, size: int, now: int) -> int:
         self.driver.requested = size
@@ -573,7 +583,8 @@ class WorkerMemory:
                 self.neighbour_bytes += delta
                 changed = True
         if self.leak is not None and self.leak.active:
-            self._leak_debt += self.leak.bytes_per_s * max(0, now_ns - self._leak_clock_ns) / 1e9 + self.leak.bytes_per_step
+            elapsed_s = max(0, now_ns - self._leak_clock_ns) / 1e9
+            self._leak_debt += self.leak.bytes_per_s * elapsed_s + self.leak.bytes_per_step
             self._leak_clock_ns = now_ns
             while self._leak_debt >= LEAK_GRANULE:
                 self._leak_debt -= LEAK_GRANULE
@@ -594,7 +605,8 @@ class WorkerMemory:
         if self.leak is not None and self.leak.bytes_per_request:
             self._leak_debt += self.leak.bytes_per_request
 
-    def _attribute(self, error: OutOfMemoryError, failed: str, failed_bytes: int, live: dict[str, int]) -> OomCause | None:
+    def _attribute(self, error: OutOfMemoryError, failed: str, failed_bytes: int,
+                   live: dict[str, int]) -> OomCause | None:
         """The failure class whose bytes alone cover the shortfall (the largest if several do), or None:
         tagged tensors live at the failure (``model_runner_v2.TAGS``), the neighbour's growth since
         start-up, the leaked bytes."""

@@ -130,3 +130,19 @@ def test_the_watermark_lowers_preemptions_in_issue_21s_closed_loop():
         assert b["kv_token_capacity"] == 65536 and b["completed"] == 120
         preemptions[wm] = b["preemptions"]
     assert preemptions["0"] > preemptions["0.05"] > 0
+
+
+def test_the_prefill_backlog_cap_refuses_with_a_retryable_503():
+    """AsyncLLM.check_admission: refused while the prompt tokens of requests without a first token are at
+    or over max_num_queued_tokens (the arriving request's own tokens are not added)."""
+    from kvguard.producers.sim.vllm.engine import RETRYABLE_REASONS, VllmEngine
+    from kvguard.producers.sim.workloads import Request
+
+    engine = VllmEngine(EngineArgs(QWEN, gpu="rtx4090", max_model_len=4096, max_num_queued_tokens=3000).profile())
+    for i, prompt in enumerate((2000, 900, 500, 100)):
+        engine.submit(Request(i, 0, prompt, 20))
+    engine.advance(1)  # backlogs seen by the four arrivals: 0, 2000, 2900 (< 3000: admitted), 3400 (refused)
+    assert engine.rejected_by_reason == {"max_num_queued_tokens": 1}
+    assert "max_num_queued_tokens" in RETRYABLE_REASONS
+    engine.advance(60 * NS_PER_S)
+    assert engine.completed == 3

@@ -48,7 +48,8 @@ def test_tied_embeddings_are_loaded_once():
 
 
 def test_derived_max_model_len_follows_vllm_rope_rules():
-    assert cfg("llama-3.1-8b-instruct").derived_max_model_len == (131072, "max_position_embeddings")  # llama3: pre-scaled
+    # llama3 RoPE: max_position_embeddings is already scaled
+    assert cfg("llama-3.1-8b-instruct").derived_max_model_len == (131072, "max_position_embeddings")
     scaled = model_config_from_dict({**cfg("meta-llama-3-8b").hf_config,
                                      "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
     assert scaled.derived_max_model_len[0] == 16384

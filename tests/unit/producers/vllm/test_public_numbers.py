@@ -20,8 +20,7 @@ from kvguard.producers.sim.model_config import UnsupportedArchitecture, load_mod
 from kvguard.producers.sim.profiles import ProfileError, VllmSpec, profile_from_dict
 from kvguard.producers.sim.vllm.memory import WorkerMemory
 from kvguard.producers.vllm import model_runner_v2 as v2
-from kvguard.producers.vllm.step_memory import ModelShape, kv_cache_bytes, profile_peak_bytes, \
-    prompt_logprobs_row_bytes
+from kvguard.producers.vllm.step_memory import ModelShape, kv_cache_bytes, profile_peak_bytes, prompt_logprobs_row_bytes
 
 GiB = 1 << 30
 CONFIGS = Path(__file__).resolve().parents[3] / "data" / "model_configs"
@@ -190,6 +189,6 @@ def test_bundled_start_up_of_a_byo_model_prints_vllms_lines():
 
 
 def test_a_spec_decode_profile_loads_from_a_preset_json():
-    d = EngineArgs(str(CONFIGS / "qwen3-8b.json"), gpu="h100-80gb", speculative_model_config=str(CONFIGS / "qwen3-0.6b.json"),
-                   num_speculative_tokens=7).profile_dict()
+    d = EngineArgs(str(CONFIGS / "qwen3-8b.json"), gpu="h100-80gb",
+                   speculative_model_config=str(CONFIGS / "qwen3-0.6b.json"), num_speculative_tokens=7).profile_dict()
     assert profile_from_dict("spec", d).vllm.draft_shape.num_layers == 28

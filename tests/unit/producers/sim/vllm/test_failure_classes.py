@@ -12,7 +12,7 @@ from kvguard.cli.simulate import run_simulation
 from kvguard.producers.sim.bench_serve import BenchRun, RandomDataset
 from kvguard.producers.sim.engine_args import EngineArgs
 from kvguard.producers.sim.profiles import ProfileError
-from kvguard.producers.sim.vllm.external import GiB, MiB, Leak, Neighbour, ScheduleError
+from kvguard.producers.sim.vllm.external import GiB, Leak, MiB, Neighbour, ScheduleError
 
 CONFIGS = Path(__file__).resolve().parents[4] / "data" / "model_configs"
 LLAMA, QWEN8, QWEN06 = (str(CONFIGS / f"{n}.json") for n in ("llama-3.1-8b-instruct", "qwen3-8b", "qwen3-0.6b"))
