@@ -423,6 +423,7 @@ def simulate(
     from kvguard.producers.sim.model_config import ModelConfigError, UnsupportedArchitecture
     from kvguard.producers.sim.profiles import ProfileError
     from kvguard.producers.sim.vllm.external import ScheduleError
+    from kvguard.producers.sim.vllm.memory import StartupRefused
     from kvguard.producers.sim.workloads import WorkloadError
 
     check_rate_scale(rate_scale)
@@ -466,7 +467,8 @@ def simulate(
                                  logprobs_guard=logprobs_guard, engine_args=engine_args, bench=bench,
                                  max_concurrency=max_concurrency if bench is None else None,
                                  long_context_frac=long_context_frac, long_context_len=long_context_len, **schedules)
-    except (WorkloadError, ProfileError, ModelConfigError, UnsupportedArchitecture, BenchArgsError) as e:
+    except (WorkloadError, ProfileError, ModelConfigError, UnsupportedArchitecture, BenchArgsError,
+            StartupRefused) as e:  # StartupRefused: e.g. a neighbour at start-up, vLLM's free-memory check
         err.print(f"[red]error:[/] {e}", soft_wrap=True)
         raise typer.Exit(2) from None
     except EventLogFailed as e:

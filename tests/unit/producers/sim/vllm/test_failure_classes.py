@@ -125,3 +125,14 @@ def test_schedules_parse_and_bad_ones_say_what_they_expect():
     for bad in ("2GiB:fast", "lots", "1GiB/week"):
         with pytest.raises(ScheduleError):
             (Neighbour.parse if ":" in bad or bad == "lots" else Leak.parse)(bad)
+
+
+def test_simulate_says_vllms_reason_when_a_neighbour_leaves_too_little_at_start_up():
+    from typer.testing import CliRunner
+
+    from kvguard.cli.app import app
+
+    result = CliRunner().invoke(app, ["simulate", "--model-config", QWEN06, "--gpu", "rtx4090", "--max-model-len",
+                                      "8192", "--workload", "mixed", "--duration", "30s", "--neighbour", "3GiB"])
+    assert result.exit_code == 2
+    assert "is less than desired GPU memory utilization" in " ".join(result.output.split())
