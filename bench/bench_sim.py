@@ -8,7 +8,9 @@ Azure conversation trace at x2 its rate, which keeps about 100 requests running:
   its exact shortcuts off (``fuse_decode``, ``fast_memory``: one scheduler call and a full allocator
   replay per step), so the gain of each is measured, not assumed;
 - ``main``: the seed's engine (``llama3-70b-tp8-80gb``, dual 4/64-token pages), as before; with
-  vLLM-like 16-token pages, and the 8B/24GB case at a light x0.25 load, for comparison.
+  vLLM-like 16-token pages, and the 8B/24GB case at a light x0.25 load, for comparison;
+- ``vllm_classes_on``: the vLLM case with every failure class's trigger on (a neighbour, a leak, long
+  prompts, prompt logprobs), and ``vllm_spec_decode``: speculative decoding with a draft model.
 
 Usage: .venv/bin/python bench/bench_sim.py [--seconds 300] [--rate-scale 2]
 """
@@ -24,16 +26,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvguard.contracts.units import NS_PER_S
+from kvguard.producers.sim.engine_args import EngineArgs
 from kvguard.producers.sim.fleet import Fleet
 from kvguard.producers.sim.profiles import load_profile, prompt_cap_tokens
 from kvguard.producers.sim.vllm.engine import VllmEngineConfig
-from kvguard.producers.sim.workloads import load_workload
+from kvguard.producers.sim.vllm.external import Leak, Neighbour
+from kvguard.producers.sim.workloads import load_workload, with_long_context
 
 
-def run_case(profile_name: str, workload: str, rate_scale: float, seconds: float, config=None) -> dict:
-    profile = load_profile(profile_name)
+def run_case(profile_name: str, workload: str, rate_scale: float, seconds: float, config=None, *, profile=None,
+             long_context=(0.0, 0)) -> dict:
+    profile = profile or load_profile(profile_name)
     cap = prompt_cap_tokens(profile)
     wl = load_workload(workload, rate_scale=rate_scale, window=seconds, max_prompt_tokens=cap)
+    if long_context[0]:
+        wl = with_long_context(wl, *long_context)
     fleet = Fleet(1, profile, seed=0, config=config)
     fleet.submit_workload(wl)
     engine = fleet.engines[0]
@@ -76,6 +83,16 @@ def main() -> None:
     vllm_plain = run_case("llama3-70b-tp8-80gb-vllm", "azure-conv", args.rate_scale, args.seconds,
                           VllmEngineConfig(fuse_decode=False, fast_memory=False))
     vllm_small = run_case("llama3-8b-24gb-vllm", "azure-conv", 0.25, args.seconds)
+    # every failure class with a trigger, on the same 70B shard: a neighbour growing 1 GiB/h from 1 GiB, a
+    # 1 GiB/h leak, 2 % of prompts 60K tokens long, 2 % asking for prompt logprobs
+    classes = run_case("llama3-70b-tp8-80gb-vllm", "azure-conv", args.rate_scale, args.seconds,
+                       VllmEngineConfig(neighbour=Neighbour.parse("1GiB:+1GiB/h"), leak=Leak.parse("1GiB/h"),
+                                        prompt_logprobs_frac=0.02), long_context=(0.02, 60000))
+    # speculative decoding (Qwen3-8B, a Qwen3-0.6B draft, 4 tokens) on one H100 from the configs in tests/data
+    configs = Path(__file__).resolve().parents[1] / "tests" / "data" / "model_configs"
+    spec = run_case("byo-qwen3-8b-spec", "azure-conv", args.rate_scale, args.seconds, profile=EngineArgs(
+        str(configs / "qwen3-8b.json"), gpu="h100-80gb", speculative_model_config=str(configs / "qwen3-0.6b.json"),
+        num_speculative_tokens=4).profile())
     main_case = run_case("llama3-70b-tp8-80gb", "azure-conv", args.rate_scale, args.seconds)
     p16 = run_case("llama3-70b-tp8-80gb-p16", "azure-conv", args.rate_scale, args.seconds)
     small = run_case("llama3-8b-24gb", "azure-conv", 0.25, args.seconds)
@@ -88,8 +105,12 @@ def main() -> None:
         "vllm_sim_seconds_per_wall_second": vllm_case["sim_seconds_per_wall_second"],
         "vllm_sim_seconds_per_cpu_second": vllm_case["sim_seconds_per_cpu_second"],
         "vllm_concurrent_mean": vllm_case["concurrent_mean"],
+        "vllm_classes_on_sim_seconds_per_cpu_second": classes["sim_seconds_per_cpu_second"],
+        "vllm_spec_decode_sim_seconds_per_cpu_second": spec["sim_seconds_per_cpu_second"],
         "vllm": vllm_case,
         "vllm_without_fusion_or_memo": vllm_plain,
+        "vllm_classes_on": classes,
+        "vllm_spec_decode": spec,
         "llama3_8b_24gb_vllm": vllm_small,
         "main": main_case,
         "llama3_70b_tp8_80gb_p16": p16,

@@ -27,28 +27,47 @@ def vllm(
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", min=1),
     max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", min=16),
     max_steps: int = typer.Option(20_000, "--max-steps", min=1, help="Stop after this many engine steps."),
-    policy: str = typer.Option("fcfs", "--policy", help="Scheduling policy: fcfs or priority."),
+    policy: str = typer.Option("fcfs", "--policy", "--scheduling-policy", help="Scheduling policy: fcfs or priority "
+                               "(each request's priority as its workload gives it; lower first in vLLM)."),
+    watermark: float = typer.Option(0.0, "--watermark", help="vLLM's --watermark on both sides."),
+    full_isl: bool = typer.Option(True, "--scheduler-reserve-full-isl/--no-scheduler-reserve-full-isl",
+                                  help="vLLM's full-sequence admission gate (default on, as in 0.33)."),
+    max_concurrency: int = typer.Option(None, "--max-concurrency", min=1, help="A closed-loop client: at most N "
+                                        "unfinished requests (vllm bench serve's semaphore)."),
+    random_input_len: int = typer.Option(1024, "--random-input-len", min=1, help="With --workload random."),
+    random_output_len: int = typer.Option(128, "--random-output-len", min=1, help="With --workload random."),
+    random_range_ratio: float = typer.Option(0.0, "--random-range-ratio", help="With --workload random."),
+    num_prompts: int = typer.Option(200, "--num-prompts", min=1, help="With --workload random."),
     seed: int = typer.Option(0, "--seed"),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Drive vLLM's Scheduler and kvguard's with the same requests; compare every step.
 
     Compared: scheduled requests and token counts, preemptions, block ids and KV usage. Exit
-    status 1 on any mismatch, 2 when vLLM is not installed.
+    status 1 on any mismatch, 2 when vLLM is not installed. ``--workload random`` is ``vllm bench
+    serve``'s random dataset (with ``--max-concurrency``, its closed-loop client).
     """
     # vLLM takes seconds to import: loaded when the command runs
     from kvguard.cli.simulate import parse_duration
+    from kvguard.producers.sim.bench_serve import BenchArgsError, RandomDataset, random_workload
     from kvguard.producers.sim.vllm.conformance import VllmMissing, run_conformance
     from kvguard.producers.sim.workloads import WorkloadError, load_workload
 
     try:
-        wl = load_workload(workload, rate_scale=rate_scale, window=parse_duration(duration), seed=seed)
-    except (WorkloadError, ValueError) as err:
+        if workload == "random":
+            wl = random_workload(RandomDataset(num_prompts=num_prompts, input_len=random_input_len,
+                                               output_len=random_output_len, range_ratio=random_range_ratio, seed=seed,
+                                               vocab_size=32000))
+        else:
+            wl = load_workload(workload, rate_scale=rate_scale, window=parse_duration(duration), seed=seed)
+    except (WorkloadError, BenchArgsError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     try:
         result = run_conformance(wl.requests, num_gpu_blocks=gpu_blocks, max_num_seqs=max_num_seqs,
-                                 max_num_batched_tokens=max_num_batched_tokens, max_steps=max_steps, policy=policy)
+                                 max_num_batched_tokens=max_num_batched_tokens, max_steps=max_steps, policy=policy,
+                                 watermark=watermark, scheduler_reserve_full_isl=full_isl,
+                                 max_concurrency=max_concurrency)
     except VllmMissing as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None

@@ -96,6 +96,11 @@ def _print_table(out: dict) -> None:
                       f"retries {sum(a['num_alloc_retries'] for a in allocators)} (max over GPUs; retries summed)")
     if out["unfinished"]:
         console.print(f"{out['unfinished']} requests were still queued or running when the run ended")
+    if out.get("bench"):
+        _print_bench(console, out["bench"])
+    if out.get("startup_log"):
+        for line in out["startup_log"]:
+            console.print(f"  [dim]{line}[/]")
     console.print(f"{out['sim_seconds']:.0f} simulated s in {out['wall_seconds']:.1f} wall s "
                   f"({out['sim_speed_x']}x real time per GPU summed), {out['events']} events")
     if out["events_out"]:
@@ -119,7 +124,8 @@ def simulate(
     drain: bool = typer.Option(True, "--drain/--no-drain", help="After the window, run until in-flight work ends."),
     gpu_memory_utilization: float = typer.Option(
         None, "--gpu-memory-utilization", help="vLLM profiles: vLLM's --gpu-memory-utilization (default: the "
-                                               "profile's, 0.9); the KV cache is re-sized by the profiling run."),
+                                               "profile's: vLLM 0.33's 0.92); the KV cache is re-sized by the "
+                                               "profiling run."),
     max_num_batched_tokens: int = typer.Option(
         None, "--max-num-batched-tokens", min=1, help="vLLM profiles: the per-step token budget."),
     alloc_conf: str = typer.Option(
@@ -130,13 +136,87 @@ def simulate(
     logprobs_guard: bool = typer.Option(
         False, "--logprobs-guard", help="vLLM profiles: kvguard's node-side guard that sizes each step so the "
                                         "logits of prompt-logprob requests fit the allocator's headroom."),
+    # -- your model, GPU and `vllm serve` flags (vLLM 0.33's names and defaults)
+    model_config: str = typer.Option(None, "--model-config", help="A Hugging Face config.json (or its directory) "
+                                     "of a dense Llama/Mistral/Qwen2/Qwen3 decoder, instead of --profile."),
+    gpu: str = typer.Option(None, "--gpu", help="With --model-config: h100-80gb, h200, b200, a100-40gb, l40s, "
+                            "rtx4090, rtx3090, rtx5090 (capacities as CUDA reports them)."),
+    gpu_memory_gib: float = typer.Option(None, "--gpu-memory-gib", help="With --model-config: the GPU's capacity "
+                                         "in GiB instead of a named --gpu (default 80)."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", min=1,
+                                             help="With --model-config: one simulated GPU is one TP rank."),
+    dtype: str = typer.Option("auto", "--dtype", help="With --model-config: auto, half, float16, bfloat16, float, "
+                              "float32."),
+    max_model_len: int = typer.Option(None, "--max-model-len", help="vLLM's --max-model-len (-1: fit it to the KV "
+                                      "cache)."),
+    kv_cache_memory_bytes: str = typer.Option(None, "--kv-cache-memory-bytes", help="vLLM's fixed KV cache size "
+                                              "(bytes, or 8G / 8589934592 as vLLM parses it) instead of "
+                                              "the utilization formula."),
+    watermark: float = typer.Option(None, "--watermark", help="vLLM's --watermark: share of KV blocks kept free "
+                                    "when admitting a waiting request (0.0 default, [0, 1))."),
+    max_num_seqs: int = typer.Option(None, "--max-num-seqs", min=1, help="vLLM's --max-num-seqs."),
+    scheduler_reserve_full_isl: bool = typer.Option(
+        None, "--scheduler-reserve-full-isl/--no-scheduler-reserve-full-isl", help="vLLM's full-sequence "
+        "admission gate (on by default in 0.33)."),
+    max_num_queued_reqs: int = typer.Option(None, "--max-num-queued-reqs", min=0, help="vLLM's 503 cap on "
+                                            "unfinished requests (retryable rejections, counted by reason)."),
+    max_num_queued_tokens: str = typer.Option(None, "--max-num-queued-tokens", help="vLLM's 503 cap on the "
+                                              "prefill token backlog (10k accepted)."),
+    scheduling_policy: str = typer.Option(None, "--scheduling-policy", help="fcfs (default) or priority "
+                                          "(lower value first, then arrival; preempts the largest)."),
+    num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens", min=1, help="Speculative "
+                                               "decoding, draft_model method: drafts per step (with "
+                                               "--speculative-model-config)."),
+    speculative_model_config: str = typer.Option(None, "--speculative-model-config", help="The draft model's "
+                                                 "config.json (same vocabulary as the target)."),
+    spec_acceptance_rate: float = typer.Option(None, "--spec-acceptance-rate", help="Probability each draft "
+                                               "token is accepted (a workload property; default 0.7)."),
+    enforce_eager: bool = typer.Option(None, "--enforce-eager/--no-enforce-eager", help="vLLM's --enforce-eager: "
+                                       "no CUDA graphs, no graph estimate, no JIT kernel warm-up."),
+    model_runner: str = typer.Option(None, "--model-runner", help="v2 (vLLM 0.33's default) or v1 "
+                                     "(VLLM_USE_V2_MODEL_RUNNER=0)."),
+    attention_lse: str = typer.Option(None, "--attention-lse", help="FlashAttention LSE layout: total_q (vLLM "
+                                      "0.33), max_seqlen_q (FA2 before Dao-AILab PR#970) or max_seq_len "
+                                      "(padded by the context, club-3090 'Cliff 1')."),
+    # -- memory outside vLLM and traffic shapes (failure classes C3, C4, C7)
+    neighbour: str = typer.Option(None, "--neighbour", help="Another process on the GPU: SIZE[:RATE], e.g. "
+                                  "2GiB or 2GiB:+3GiB/h (present at start-up, growing at RATE)."),
+    leak: str = typer.Option(None, "--leak", help="Memory never returned: 1GiB/h, 4MiB/req or 1MiB/step (off by "
+                              "default); a restart returns it."),
+    long_context_frac: float = typer.Option(0.0, "--long-context-frac", help="Share of requests whose prompt is "
+                                            "--long-context-len tokens."),
+    long_context_len: int = typer.Option(0, "--long-context-len", min=0, help="Prompt length of the long-context "
+                                         "share."),
+    # -- `vllm bench serve` (with --workload random, or --max-concurrency over any workload)
+    random_input_len: int = typer.Option(1024, "--random-input-len", min=0, help="vllm bench serve: input length."),
+    random_output_len: int = typer.Option(128, "--random-output-len", min=0, help="vllm bench serve: output length."),
+    random_range_ratio: float = typer.Option(0.0, "--random-range-ratio", help="vllm bench serve: lengths uniform "
+                                             "in [L(1-r), L(1+r)], r in [0, 1)."),
+    random_prefix_len: int = typer.Option(0, "--random-prefix-len", min=0, help="vllm bench serve: a shared "
+                                          "prefix added to every prompt."),
+    num_prompts: int = typer.Option(1000, "--num-prompts", min=1, help="vllm bench serve: requests."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="vllm bench serve: generate the full output "
+                                    "length (the shadow engine never stops early)."),
+    max_concurrency: int = typer.Option(None, "--max-concurrency", help="vllm bench serve: at most N requests in "
+                                        "flight (a closed-loop client)."),
+    request_rate: float = typer.Option(math.inf, "--request-rate", help="vllm bench serve: requests/s (inf: all "
+                                       "at once)."),
+    burstiness: float = typer.Option(1.0, "--burstiness", help="vllm bench serve: gamma shape of the "
+                                     "inter-arrivals (1: Poisson)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
-    """Run the shadow engine over a workload and report OOMs, preemptions, latency and goodput."""
+    """Run the shadow engine over a workload and report OOMs, preemptions, latency and goodput.
+
+    Bring your own model and GPU with --model-config and --gpu/--gpu-memory-gib, with vLLM 0.33's flag
+    names and defaults; rerun a `vllm bench serve` benchmark with --workload random and its flags."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvguard.producers.sim.profiles import EngineKnobs, ProfileError
+    from kvguard.producers.sim.bench_serve import BenchArgsError
+    from kvguard.producers.sim.model_config import ModelConfigError, UnsupportedArchitecture
+    from kvguard.producers.sim.profiles import ProfileError
+    from kvguard.producers.sim.vllm.external import ScheduleError
+    from kvguard.producers.sim.vllm.memory import StartupRefused
     from kvguard.producers.sim.workloads import WorkloadError
     from kvguard.runtime.simulation import EventLogFailed, run_simulation
 
@@ -144,9 +224,27 @@ def simulate(
     if not 0.0 <= prompt_logprobs_frac <= 1.0:
         raise typer.BadParameter(f"expected a share in [0, 1], got {prompt_logprobs_frac}",
                                  param_hint="--prompt-logprobs-frac")
-    knobs = EngineKnobs(gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
-                        allocator_conf=alloc_conf)
+    flags = dict(gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
+                 alloc_conf=alloc_conf, max_model_len=max_model_len,
+                 kv_cache_memory_bytes=_human_int(kv_cache_memory_bytes, "--kv-cache-memory-bytes"),
+                 watermark=watermark, max_num_seqs=max_num_seqs, max_num_queued_reqs=max_num_queued_reqs,
+                 max_num_queued_tokens=_human_int(max_num_queued_tokens, "--max-num-queued-tokens"),
+                 scheduling_policy=scheduling_policy, num_speculative_tokens=num_speculative_tokens,
+                 speculative_model_config=speculative_model_config, spec_acceptance_rate=spec_acceptance_rate,
+                 enforce_eager=enforce_eager, model_runner=model_runner, attention_lse=attention_lse,
+                 scheduler_reserve_full_isl=scheduler_reserve_full_isl)
     duration_s = parse_duration(duration) if duration else None
+    try:
+        knobs, engine_args = engine_settings(flags, model_config=model_config, gpu=gpu, gpu_memory_gib=gpu_memory_gib,
+                                             tensor_parallel_size=tensor_parallel_size, dtype=dtype)
+        bench, schedules = None, {}
+        if workload == "random":
+            bench = bench_run(engine_args, random_input_len, random_output_len, random_range_ratio, random_prefix_len,
+                              num_prompts, seed, ignore_eos, max_concurrency, request_rate, burstiness)
+        schedules = external_schedules(neighbour, leak)
+    except (ProfileError, ModelConfigError, UnsupportedArchitecture, BenchArgsError, ScheduleError) as e:
+        Console(stderr=True).print(f"[red]error:[/] {e}", soft_wrap=True)
+        raise typer.Exit(2) from None
     err = Console(stderr=True)
     bar = Progress(TextColumn("simulating"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} sim s"),
                    TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal)
@@ -160,15 +258,103 @@ def simulate(
             out = run_simulation(workload, gpus=gpus, duration_s=duration_s, rate_scale=rate_scale,
                                  profile_name=profile, seed=seed, events_out=events_out, drain=drain,
                                  progress=progress, knobs=knobs, prompt_logprobs_frac=prompt_logprobs_frac,
-                                 logprobs_guard=logprobs_guard)
-    except (WorkloadError, ProfileError) as e:
-        err.print(f"[red]error:[/] {e}")
+                                 logprobs_guard=logprobs_guard, engine_args=engine_args, bench=bench,
+                                 max_concurrency=max_concurrency if bench is None else None,
+                                 long_context_frac=long_context_frac, long_context_len=long_context_len, **schedules)
+    except (WorkloadError, ProfileError, ModelConfigError, UnsupportedArchitecture, BenchArgsError,
+            StartupRefused) as e:  # StartupRefused: e.g. a neighbour at start-up, vLLM's free-memory check
+        err.print(f"[red]error:[/] {e}", soft_wrap=True)
         raise typer.Exit(2) from None
     except EventLogFailed as e:
         _print(e.summary, as_json)
         err.print(f"[red]error:[/] {e}", soft_wrap=True)
         raise typer.Exit(1) from None
     _print(out, as_json)
+
+
+def _print_bench(console, b: dict) -> None:
+    """The result block ``vllm bench serve`` prints (``benchmarks/serve.py``), plus preemptions and KV size."""
+    rows = [("Successful requests:", b["completed"]), ("Failed requests:", b["failed"]),
+            ("Maximum request concurrency:", b.get("max_concurrency")),
+            ("Benchmark duration (s):", f"{b['duration']:.2f}"), ("Total input tokens:", b["total_input_tokens"]),
+            ("Total generated tokens:", b["total_output_tokens"]),
+            ("Request throughput (req/s):", b["request_throughput"]),
+            ("Output token throughput (tok/s):", b["output_throughput"]),
+            ("Total token throughput (tok/s):", b["total_token_throughput"]),
+            ("Peak concurrent requests:", b["max_concurrent_requests"]),
+            ("Preemptions:", b["preemptions"]), ("GPU KV cache size (tokens):", b.get("kv_token_capacity"))]
+    console.print("[bold]============ Serving Benchmark Result ============[/]")
+    for label, value in rows:
+        console.print(f"{label:<40}{value}")
+    for title, key in (("Time to First Token", "ttft"), ("Time per Output Token (excl. 1st token)", "tpot"),
+                       ("Inter-token Latency", "itl")):
+        console.print(f"[bold]{title:-^50}[/]")
+        for stat in ("mean", "median", "p99"):
+            console.print(f"{stat.capitalize() if stat != 'p99' else 'P99'} {key.upper()} (ms):".ljust(40)
+                          + f"{b[f'{stat}_{key}_ms']:.2f}")
+
+
+def _human_int(text: str | None, flag: str) -> int | None:
+    """vLLM's ``human_readable_int``: 1k = 1000, 1K = 1024, 8G = 8 * 2**30 (no decimals with binary suffixes)."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text.strip())
+    if m:
+        number, suffix = m.groups()
+        if suffix.islower():
+            return int(float(number) * 10 ** (3 * "kmgt".index(suffix) + 3))
+        if "." in number:
+            raise typer.BadParameter(f"Decimals are not allowed with binary suffixes like {suffix}. Did you mean to "
+                                     f"use {number}{suffix.lower()} instead?", param_hint=flag)
+        return int(number) * 2 ** (10 * ("KMGT".index(suffix) + 1))
+    try:
+        return int(text)
+    except ValueError:
+        raise typer.BadParameter(f"expected an integer like 8589934592, 8G or 10k, got {text!r}",
+                                 param_hint=flag) from None
+
+
+def engine_settings(flags: dict, *, model_config, gpu, gpu_memory_gib, tensor_parallel_size, dtype):
+    """(``EngineKnobs`` over a bundled profile, ``EngineArgs`` for your own model): the same flags either way."""
+    from kvguard.producers.sim.engine_args import EngineArgs
+    from kvguard.producers.sim.profiles import EngineKnobs
+
+    given = {k: v for k, v in flags.items() if v is not None}
+    if model_config is None:
+        if gpu is not None or gpu_memory_gib is not None or tensor_parallel_size != 1 or dtype != "auto":
+            raise typer.BadParameter("--gpu, --gpu-memory-gib, --tensor-parallel-size and --dtype need "
+                                     "--model-config (a bundled --profile fixes them)", param_hint="--model-config")
+        renamed = {("allocator_conf" if k == "alloc_conf" else k): v for k, v in given.items()}
+        return EngineKnobs(**renamed), None
+    args = {("alloc_conf" if k == "alloc_conf" else k): v for k, v in given.items()}
+    return None, EngineArgs(model_config=model_config, gpu=gpu, gpu_memory_gib=gpu_memory_gib,
+                            tensor_parallel_size=tensor_parallel_size, dtype=dtype, **args)
+
+
+def bench_run(engine_args, input_len, output_len, range_ratio, prefix_len, num_prompts, seed, ignore_eos,
+              max_concurrency, request_rate, burstiness):
+    """``vllm bench serve --dataset-name random`` with these flags (``producers.sim.bench_serve``)."""
+    from kvguard.producers.sim.bench_serve import BenchRun, RandomDataset
+
+    special, vocab = 1, 128256
+    if engine_args is not None:
+        from kvguard.producers.sim.model_config import load_model_config
+
+        model = load_model_config(engine_args.model_config)
+        vocab = int(model.hf_config["vocab_size"])
+        special = 0 if model.architecture.startswith("Qwen") else 1  # Llama/Mistral tokenizers add a BOS
+    dataset = RandomDataset(num_prompts=num_prompts, input_len=input_len, output_len=output_len,
+                            range_ratio=range_ratio, prefix_len=prefix_len, seed=seed, num_special_tokens=special,
+                            vocab_size=vocab)
+    return BenchRun(dataset, request_rate=request_rate, burstiness=burstiness, max_concurrency=max_concurrency,
+                    ignore_eos=ignore_eos)
+
+
+def external_schedules(neighbour: str | None, leak: str | None) -> dict:
+    from kvguard.producers.sim.vllm.external import Leak, Neighbour
+
+    return {"neighbour": Neighbour.parse(neighbour) if neighbour else None,
+            "leak": Leak.parse(leak) if leak else None}
 
 
 def _print(out: dict, as_json: bool) -> None:

@@ -132,6 +132,13 @@ class OomCause(IntEnum):
     OTHER = 0
     PEAK = 1  # the request exceeds what the device has left even after releasing every cached block
     FRAGMENTATION = 2  # reserved-but-unallocated bytes would have covered the request
+    # The failure class whose bytes, absent, would have let the step fit (the shadow engine's
+    # attribution, docs/NODE_MEMORY.md "Failure classes"); the allocator-level reason is then in its log.
+    PROMPT_LOGPROBS = 3  # C2: prompt-logprob logits the profiling run never made
+    LONG_CONTEXT = 4  # C3: attention buffers sized by the context (padded LSE, split-KV accumulators)
+    SPEC_DECODE = 5  # C8: speculative decoding's logits rows, verification copy, drafter
+    NEIGHBOUR = 6  # C4: another process took device memory after start-up
+    LEAK = 7  # C7: memory held and never returned (per hour, request or step)
 
 
 class Outcome(IntEnum):

@@ -17,12 +17,15 @@ from kvguard.producers.vllm.step_memory import ModelShape
 class ProfileError(ValueError):
     """A profile is unknown or one of its fields is missing or invalid."""
 
-    def __init__(self, name: str, field: str, expected: str):
-        self.name, self.field, self.expected = name, field, expected
-        super().__init__(f"profile {name!r}: field {field!r}: expected {expected}")
+    def __init__(self, name: str, field: str, expected: str, vllm_message: str | None = None):
+        self.name, self.field, self.expected, self.vllm_message = name, field, expected, vllm_message
+        if vllm_message:  # a combination vLLM itself refuses: its reason, verbatim
+            super().__init__(f"profile {name!r}: field {field!r}: vLLM refuses to start: {vllm_message}")
+        else:
+            super().__init__(f"profile {name!r}: field {field!r}: expected {expected}")
 
     def __reduce__(self):  # crosses process pools (the static sweep) with its fields
-        return type(self), (self.name, self.field, self.expected)
+        return type(self), (self.name, self.field, self.expected, self.vllm_message)
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,6 +46,20 @@ class VllmSpec:
     scheduler_reserve_full_isl: bool = True
     watermark: float = 0.0
     long_prefill_token_threshold: int = 0
+    model_runner: str = "v2"  # VLLM_USE_V2_MODEL_RUNNER: 0.33 runs Model Runner V2 unless set to 0 ("v1")
+    enforce_eager: bool = False  # --enforce-eager: no CUDA graphs, no graph estimate, no JIT kernel warm-up
+    kv_cache_memory_bytes: int = 0  # --kv-cache-memory-bytes (0: the utilization formula, as vLLM's truthiness test)
+    attention_version: int = 3  # FlashAttention 3 on Hopper, 2 elsewhere
+    num_sms: int = 132
+    attention_lse: str = "total_q"  # model_runner_v2.LSE_LAYOUTS
+    num_speculative_tokens: int = 0  # --speculative-config num_speculative_tokens (draft_model method)
+    draft_shape: ModelShape | None = None  # the draft model (--speculative-config model)
+    draft_weights_bytes: int = 0
+    rejection_chunk_bytes: int = 1 << 30  # 0.33's MAX_CHUNK_BYTES; 0: one chunk (vLLM before PR#48641)
+    spec_acceptance_rate: float = 0.7  # per draft token; not a vLLM setting: the workload's (kvguard's model)
+    max_num_queued_reqs: int = 0  # --max-num-queued-reqs (0: no cap)
+    max_num_queued_tokens: int = 0  # --max-num-queued-tokens (0: no cap)
+    auto_fit_max_model_len: bool = False  # --max-model-len -1: fit max_model_len to the KV cache
 
 
 @dataclass(slots=True, frozen=True)
@@ -95,10 +112,14 @@ class EngineKnobs:
     knobs is re-measured: its KV block count follows from the profiling run under the new settings,
     as in vLLM.
 
-    - ``gpu_memory_utilization``: ``--gpu-memory-utilization`` (vLLM default 0.9);
+    - ``gpu_memory_utilization``: ``--gpu-memory-utilization`` (vLLM 0.33's default 0.92);
     - ``max_num_batched_tokens`` / ``max_num_seqs``: ``--max-num-batched-tokens`` / ``--max-num-seqs``;
     - ``allocator_conf``: ``PYTORCH_CUDA_ALLOC_CONF`` (e.g. ``expandable_segments:True``);
-    - ``watermark``: the share of KV blocks kept free when a waiting request is admitted.
+    - ``watermark``: the share of KV blocks kept free when a waiting request is admitted;
+    - the rest with vLLM's flag names (``max_model_len``, ``kv_cache_memory_bytes``, ``enforce_eager``,
+      ``scheduling_policy``, the queue caps, ``num_speculative_tokens`` with ``speculative_model_config``,
+      ``scheduler_reserve_full_isl``), ``model_runner`` (``VLLM_USE_V2_MODEL_RUNNER``) and kvguard's
+      own ``attention_lse``, ``rejection_chunk_bytes`` and ``spec_acceptance_rate`` (``VllmSpec``).
     """
 
     gpu_memory_utilization: float | None = None
@@ -106,6 +127,19 @@ class EngineKnobs:
     max_num_seqs: int | None = None
     allocator_conf: str | None = None
     watermark: float | None = None
+    max_model_len: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enforce_eager: bool | None = None
+    model_runner: str | None = None
+    scheduling_policy: str | None = None
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+    attention_lse: str | None = None
+    num_speculative_tokens: int | None = None
+    speculative_model_config: str | None = None
+    rejection_chunk_bytes: int | None = None
+    spec_acceptance_rate: float | None = None
+    scheduler_reserve_full_isl: bool | None = None
 
     def is_default(self) -> bool:
         return all(getattr(self, f) is None for f in self.__slots__)
@@ -116,5 +150,10 @@ class EngineKnobs:
     def label(self) -> str:
         """A short suffix naming the knobs, e.g. ``util0.95+mnbt1024``."""
         short = {"gpu_memory_utilization": "util", "max_num_batched_tokens": "mnbt", "max_num_seqs": "seqs",
-                 "allocator_conf": "alloc=", "watermark": "wm"}
+                 "allocator_conf": "alloc=", "watermark": "wm", "max_model_len": "len", "kv_cache_memory_bytes": "kv",
+                 "enforce_eager": "eager", "model_runner": "runner", "scheduling_policy": "policy=",
+                 "max_num_queued_reqs": "qreqs", "max_num_queued_tokens": "qtok", "attention_lse": "lse=",
+                 "num_speculative_tokens": "spec", "speculative_model_config": "draft=",
+                 "rejection_chunk_bytes": "chunk", "spec_acceptance_rate": "accept",
+                 "scheduler_reserve_full_isl": "fullisl"}
         return "+".join(f"{short[k]}{v if v != '' else 'default'}" for k, v in self.to_dict().items())

@@ -425,3 +425,22 @@ def _reshape(wl: Workload, rate_scale: float, window: float | None, max_prompt: 
     if capped:
         notes.append(f"{capped} prompts capped to {max_prompt} tokens")
     return Workload(wl.name, out, notes)
+
+
+def with_long_context(wl: Workload, frac: float, prompt_tokens: int, seed: int = 0) -> Workload:
+    """A share ``frac`` of the requests (chosen by a hash of the id and ``seed``) gets a prompt of
+    ``prompt_tokens`` tokens with no shared prefix: the long-context shape of class C3 mixed into any
+    workload."""
+    if not 0.0 <= frac <= 1.0:
+        raise WorkloadError(wl.name, 0, f"a long-context share in [0, 1], got {frac}")
+    if frac and prompt_tokens < 1:
+        raise WorkloadError(wl.name, 0, f"a long-context length >= 1 token, got {prompt_tokens}")
+    out, chosen = [], 0
+    for r in wl.requests:
+        if frac and mix_hash(r.req_id, seed ^ 0x10C7) % 1_000_000 < frac * 1_000_000:
+            r = Request(r.req_id, r.arrival_ns, prompt_tokens, r.max_output_tokens, r.priority, ())
+            chosen += 1
+        out.append(r)
+    notes = list(wl.notes) + ([f"{chosen} prompts made {prompt_tokens} tokens long (long-context share {frac:g})"]
+                              if frac else [])
+    return Workload(wl.name, out, notes)

@@ -14,6 +14,7 @@ Sizes are the tensor sizes the code requests; every allocation is rounded up to 
 the caching allocator's ``round_size`` does. Block splitting and segment sizes are the
 allocator twin's job, not this module's. The model is a dense Llama-style decoder run by the
 V1 ``GPUModelRunner`` with custom (non-Inductor) ops; docs/NODE_MEMORY.md says what is left out.
+vLLM 0.33's default runner (Model Runner V2) is ``model_runner_v2``, built on this module's forward.
 """
 
 from __future__ import annotations
@@ -346,17 +347,22 @@ def _attention_kernel(o: _Ops, s: ModelShape, n: int, decode_splits: int | None)
     o.free(*reversed(names))
 
 
-def _layer(o: _Ops, s: ModelShape, n: int, attention: str, decode_splits: int | None) -> None:
+def _layer(o: _Ops, s: ModelShape, n: int, attention: str, decode_splits: int | None, kernel=None) -> None:
     """One LlamaDecoderLayer with vLLM custom ops (llama.py, activation.py, layernorm.py).
 
     Enters with residual + hidden live (layer >0: the input norm is fused and in place) and
-    leaves with residual + the MLP output, which becomes the next layer's hidden.
+    leaves with residual + the MLP output, which becomes the next layer's hidden. ``kernel``,
+    when given, allocates the attention kernel's own tensors instead of ``_attention_kernel``
+    (the model-runner-v2 plans size them from the batch's context, ``model_runner_v2``).
     """
     b = s.dtype_bytes
     o.alloc("qkv", n * (s.q_size + 2 * s.kv_size) * b)  # QKVParallelLinear
     o.alloc("attn_out", n * s.q_size * b)  # Attention.forward: torch.empty((tokens, heads*hd))
     if attention == "kernel":  # profile/warm-up runs have attn_metadata None: output.fill_(0)
-        _attention_kernel(o, s, n, decode_splits)
+        if kernel is not None:
+            kernel(o)
+        else:
+            _attention_kernel(o, s, n, decode_splits)
     attn = _row_parallel(o, s, "o_proj", n * s.hidden_size * b)
     o.free("qkv", "attn_out")  # LlamaAttention.forward returns
     o.free(HIDDEN)  # decoder rebinds hidden_states; post-attention norm is fused, in place
@@ -369,11 +375,11 @@ def _layer(o: _Ops, s: ModelShape, n: int, attention: str, decode_splits: int | 
 
 
 def _forward(s: ModelShape, n: int, attention: str, decode_splits: int | None,
-             cublas_bytes: int) -> tuple[_Ops, _Ops, _Ops]:
+             cublas_bytes: int, kernel=None) -> tuple[_Ops, _Ops, _Ops]:
     pro, lay, epi = _Ops(), _Ops(), _Ops()
     _prologue(pro, s, n, cublas_bytes)
     lay.sizes[HIDDEN] = round_block(n * s.hidden_size * s.dtype_bytes)
-    _layer(lay, s, n, attention, decode_splits)
+    _layer(lay, s, n, attention, decode_splits, kernel)
     epi.sizes.update(pro.sizes)
     epi.free("embed")  # LlamaModel.forward returns: the residual dies; final norm was in place
     return pro, lay, epi

@@ -267,10 +267,13 @@ def run_conformance(requests: Iterable[Request], *, num_gpu_blocks: int, block_s
                     step_duration_s: float = 0.025, policy: str = "fcfs", watermark: float = 0.0,
                     long_prefill_token_threshold: int = 0, scheduler_reserve_full_isl: bool = True,
                     enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                    hashing: str = "tokens") -> dict:
+                    hashing: str = "tokens", max_concurrency: int | None = None) -> dict:
     """Drive vLLM's scheduler and kvguard's in lockstep over ``requests`` (a workload's requests) and
     compare every step. Returns counts, the largest differences, and the first mismatching step.
-    ``max_model_len`` defaults to the longest a pool of ``num_gpu_blocks`` can hold, at most 32,768."""
+    ``max_model_len`` defaults to the longest a pool of ``num_gpu_blocks`` can hold, at most 32,768.
+    ``max_concurrency``: a closed-loop client (``vllm bench serve --max-concurrency``): a request is
+    added, in order, only while fewer than that many are unfinished on the vLLM side (both sides must
+    agree on it, or the step comparison fails first)."""
     if hashing not in HASHINGS:
         raise ValueError(f"hashing: expected one of {HASHINGS}, got {hashing!r}")
     if max_model_len is None:
@@ -288,7 +291,8 @@ def run_conformance(requests: Iterable[Request], *, num_gpu_blocks: int, block_s
     while tally.steps < max_steps:
         if pending and not vllm_side.unfinished() and not kvguard_side.unfinished():
             clock = max(clock, pending[0].arrival_step)
-        while pending and pending[0].arrival_step <= clock:
+        while pending and pending[0].arrival_step <= clock and (
+                max_concurrency is None or vllm_side.unfinished() < max_concurrency):
             req = pending.popleft()
             tally.arrival(vllm_side.add(req), kvguard_side.add(req))
         if not pending and not vllm_side.unfinished() and not kvguard_side.unfinished():
@@ -296,7 +300,7 @@ def run_conformance(requests: Iterable[Request], *, num_gpu_blocks: int, block_s
         tally.compare(vllm_side.step(), kvguard_side.step())
         clock += 1
     return tally.report(config, hashing, len(reqs), vllm_side, kvguard_side, drained=not pending and not (
-        vllm_side.unfinished() or kvguard_side.unfinished()))
+        vllm_side.unfinished() or kvguard_side.unfinished()), max_concurrency=max_concurrency)
 
 
 class _Tally:
@@ -344,7 +348,7 @@ class _Tally:
                                    "vllm": _describe(v, k), "kvguard": _describe(k, v)}
 
     def report(self, config: SchedulerConfig, hashing: str, num_requests: int, vllm_side: VllmSide,
-               kvguard_side: KvguardSide, drained: bool) -> dict:
+               kvguard_side: KvguardSide, drained: bool, max_concurrency: int | None = None) -> dict:
         steps = max(self.steps, 1)
         return {
             "vllm_version": vllm_side.v.version, "kvguard_follows": VLLM_VERSION_FOLLOWED, "hashing": hashing,
@@ -354,7 +358,7 @@ class _Tally:
                        "watermark": config.watermark, "long_prefill_token_threshold": config.long_prefill_token_threshold,
                        "scheduler_reserve_full_isl": config.scheduler_reserve_full_isl,
                        "enable_prefix_caching": config.enable_prefix_caching,
-                       "enable_chunked_prefill": config.enable_chunked_prefill},
+                       "enable_chunked_prefill": config.enable_chunked_prefill, "max_concurrency": max_concurrency},
             "steps": self.steps, "requests": num_requests, "drained": drained,
             "admitted": self.admitted, "rejected": self.rejected, "rejection_mismatches": self.rejection_mismatch,
             "scheduled_mismatch_frac": self.scheduled_mismatch / steps,

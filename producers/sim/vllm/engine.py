@@ -78,10 +78,11 @@ from kvguard.contracts.pool_types import EvictResult, PageInfo
 from kvguard.contracts.units import DEFAULT_PRIORITY, NS_PER_S
 from kvguard.producers.sim.profile import Profile
 from kvguard.producers.sim.run import GRANULARITIES, RunningView, RunSummary, SeqState, slo_fields
+from kvguard.producers.sim.vllm.external import Leak, Neighbour
 from kvguard.producers.sim.vllm.fused import fused_decode
 from kvguard.producers.sim.vllm.kv import BlockPoolView, EngineScheduler, EventRecorder
 from kvguard.producers.sim.vllm.kv_blocks import prompt_block_keys
-from kvguard.producers.sim.vllm.memory import StepOOM, WorkerMemory
+from kvguard.producers.sim.vllm.memory import StartupRefused, StepOOM, WorkerMemory
 from kvguard.producers.sim.vllm.scheduler import VLLM_VERSION_FOLLOWED, SchedulerConfig, SeqStatus
 from kvguard.producers.sim.workloads import HASH_BLOCK_TOKENS, Request, mix_hash
 from kvguard.producers.vllm.actions import VLLM_CAPABILITIES
@@ -89,6 +90,11 @@ from kvguard.producers.vllm.step_memory import Batch, logprobs_step_cap, prompt_
 
 PYTORCH_ALLOCATOR_FOLLOWED = "c10/cuda/CUDACachingAllocator.cpp @ 001074d2 (PyTorch 2.4/2.5; 2.9/2.10 rules)"
 REJECTED_RESTARTING = "engine_restarting"
+# vLLM's 503s (vllm/exceptions.py QueueOverflowError / MaxQueuedTokensError, raised by AsyncLLM.check_admission
+# before the request reaches the engine core): retryable, counted by reason as vLLM's rejection counter is
+REJECTED_QUEUE_REQS = "max_num_queued_reqs"
+REJECTED_QUEUE_TOKENS = "max_num_queued_tokens"
+RETRYABLE_REASONS = (REJECTED_RESTARTING, REJECTED_QUEUE_REQS, REJECTED_QUEUE_TOKENS)
 _ARRIVE, _FINISH, _OOM, _RESET = int(EventKind.ARRIVE), int(EventKind.FINISH), int(EventKind.OOM), int(EventKind.RESET)
 _FILL, _STEP = int(EventKind.FILL), int(EventKind.STEP)
 _COMPLETED, _FAILED, _REJECTED = int(Outcome.COMPLETED), int(Outcome.FAILED_OOM), int(Outcome.REJECTED)
@@ -107,6 +113,8 @@ class VllmEngineConfig:
     # headroom (device free + cached-but-unallocated bytes, less ``logprobs_guard_margin_bytes``)
     logprobs_guard: bool = False
     logprobs_guard_margin_bytes: int = 256 << 20
+    neighbour: Neighbour | None = None  # C4: another process on the GPU (external.Neighbour)
+    leak: Leak | None = None  # C7: memory that is never returned (external.Leak)
 
 
 @dataclass(slots=True)
@@ -119,6 +127,7 @@ class _Req:
     max_output_tokens: int
     priority: int
     first_token_ns: int = -1
+    last_token_ns: int = -1
 
     @property
     def outstanding(self) -> int:
@@ -187,7 +196,16 @@ class VllmEngine:
         self.ooms_by_cause: Counter[str] = Counter()
         self.rejected_by_reason: Counter[str] = Counter()
         self.restarts = 0
+        self.startups_refused = 0  # restarts vLLM refused (a neighbour holds what the budget needs)
+        self.startup_refusals: list[str] = []
         self._allocator_totals = {"peak_reserved_bytes": 0, "peak_allocated_bytes": 0, "num_alloc_retries": 0}
+        self.num_spec = self.spec.num_speculative_tokens
+        self.spec_drafts = self.spec_accepted = 0
+        # per completed request, as ``vllm bench serve`` sees it: (id, arrival, first token, end, prompt, output)
+        self.records: list[tuple[int, int, int, int, int, int]] = []
+        self._itl_values: list[int] = []  # inter-token gaps: (value, how many requests saw it)
+        self._itl_counts: list[int] = []
+        self.finish_listeners: list = []  # called with (request id, end ns, completed) (closed-loop clients)
         self.scheduler = self._new_scheduler()
         self.memory: WorkerMemory | None = None
         self._start_worker(0)
@@ -200,7 +218,9 @@ class VllmEngine:
                                  max_num_batched_tokens=p.max_batched_tokens,
                                  long_prefill_token_threshold=spec.long_prefill_token_threshold, policy=spec.policy,
                                  scheduler_reserve_full_isl=spec.scheduler_reserve_full_isl, watermark=spec.watermark,
-                                 enable_prefix_caching=spec.enable_prefix_caching)
+                                 enable_prefix_caching=spec.enable_prefix_caching,
+                                 num_lookahead_tokens=spec.num_speculative_tokens,
+                                 draft_slots=1 if spec.num_speculative_tokens else 0)
         scheduler = EngineScheduler(config, self.recorder)
         self._base_watermark = scheduler.kv.watermark_blocks
         scheduler.kv.watermark_blocks = self._base_watermark + self._headroom_blocks
@@ -208,17 +228,39 @@ class VllmEngine:
             scheduler.max_num_scheduled_tokens = min(p.max_batched_tokens, self._batch_cap)
         return scheduler
 
-    def _start_worker(self, now_ns: int) -> None:
+    def _start_worker(self, now_ns: int) -> bool:
+        """Start the worker process; False when vLLM refuses (a neighbour now holds memory its budget
+        needs): the GPU stays down another ``restart_s`` and the start is tried again."""
         p = self.profile
         g = p.geometry
         self.recorder.now_ns = now_ns
-        self.memory = WorkerMemory(self.spec, total_bytes=g.total_bytes, weights_bytes=g.weights_bytes,
-                                   context_bytes=g.context_bytes, gpu_memory_utilization=g.gpu_memory_utilization,
-                                   max_num_batched_tokens=p.max_batched_tokens, max_num_seqs=p.max_num_seqs,
-                                   max_model_len=p.max_model_len, emit=self.recorder.allocator_row, now_ns=now_ns,
-                                   fast=self.config.fast_memory)
-        if self.memory.ledger != p.memory:
+        neighbour = self.config.neighbour
+        if neighbour is not None:  # what the other process holds now is already there at this start
+            neighbour = Neighbour(neighbour.bytes_at(now_ns / NS_PER_S), 0.0) if now_ns else neighbour
+        try:
+            memory = WorkerMemory(self.spec, total_bytes=g.total_bytes, weights_bytes=g.weights_bytes,
+                                  context_bytes=g.context_bytes, gpu_memory_utilization=g.gpu_memory_utilization,
+                                  max_num_batched_tokens=p.max_batched_tokens, max_num_seqs=p.max_num_seqs,
+                                  max_model_len=p.max_model_len, emit=self.recorder.allocator_row, now_ns=now_ns,
+                                  fast=self.config.fast_memory, neighbour=neighbour, leak=self.config.leak)
+        except StartupRefused as e:
+            if not now_ns:
+                raise
+            self.startups_refused += 1
+            self.startup_refusals.append(str(e))
+            self.down_until_ns = now_ns + int(self.config.restart_s * NS_PER_S)
+            return False
+        if neighbour is not None and self.config.neighbour is not None:
+            memory.neighbour = self.config.neighbour  # keeps following the schedule from here
+        # a neighbour changes the free memory seen at the snapshot, never the KV cache (requested is
+        # total * utilization, and what it holds is outside total_consumed)
+        same = memory.ledger == p.memory if neighbour is None else \
+            (memory.ledger.num_gpu_blocks, memory.ledger.kv_cache_bytes) == (p.memory.num_gpu_blocks,
+                                                                             p.memory.kv_cache_bytes)
+        if now_ns == 0 and not same:
             raise AssertionError("the worker measured a different start-up ledger than its profile")
+        self.memory = memory
+        return True
 
     # ------------------------------------------------------------------ events
     def take_events(self):
@@ -263,7 +305,7 @@ class VllmEngine:
             if wants_logprobs:
                 flags |= F_PROMPT_LOGPROBS
             rec.row(_ARRIVE, ts, r.req_id, cls=priority, flags=flags, tokens=r.prompt_tokens, aux=r.max_output_tokens)
-            reason = REJECTED_RESTARTING if ts < self.down_until_ns else None
+            reason = REJECTED_RESTARTING if ts < self.down_until_ns else self._queue_full()
             if reason is None:
                 keys = prompt_block_keys(r.block_hashes, HASH_BLOCK_TOKENS, self.block_size) if r.block_hashes else ()
                 refused = self.scheduler.add_request(r.req_id, num_prompt_tokens=r.prompt_tokens,
@@ -275,11 +317,25 @@ class VllmEngine:
                 self.rejected_by_reason[reason] += 1
                 self._outstanding -= r.prompt_tokens + r.max_output_tokens
                 rec.row(_FINISH, ts, r.req_id, flags=_REJECTED)
+                self._notify(r.req_id, ts, False)
                 continue
             self._reqs[r.req_id] = _Req(r.req_id, ts, r.prompt_tokens, r.max_output_tokens, priority)
             if wants_logprobs:
                 self._prompt_logprobs.add(r.req_id)
             self._quiet = False
+
+    def _queue_full(self) -> str | None:
+        """vLLM's admission caps (``AsyncLLM.check_admission``): unfinished requests + 1 over
+        ``max_num_queued_reqs``, or a prefill backlog (prompt tokens of requests that have not produced
+        their first token) at or over ``max_num_queued_tokens``; a 503 either way."""
+        spec = self.spec
+        if spec.max_num_queued_reqs and len(self.scheduler.requests) + 1 > spec.max_num_queued_reqs:
+            return REJECTED_QUEUE_REQS
+        if spec.max_num_queued_tokens:
+            backlog = sum(seq.num_prompt_tokens for seq in self.scheduler.requests.values() if not seq.output_token_ids)
+            if backlog >= spec.max_num_queued_tokens:
+                return REJECTED_QUEUE_TOKENS
+        return None
 
     # ------------------------------------------------------------------ stepping
     def advance(self, until_ns: int) -> None:
@@ -292,8 +348,8 @@ class VllmEngine:
                 self.downtime_ns += resume - self.now_ns
                 self.now_ns = resume
                 continue
-            if self.memory is None:
-                self._start_worker(self.now_ns)
+            if self.memory is None and not self._start_worker(self.now_ns):
+                continue
             self._arrive(self.now_ns)
             if not self.scheduler.requests:
                 nxt = self._next_arrival_ns()
@@ -330,10 +386,17 @@ class VllmEngine:
             return False
         total = sum(tokens.values())
         seqs = len(tokens)
-        decode = seqs if total == seqs else sum(1 for n in tokens.values() if n == 1)
-        duration = self.step_ns(total - decode, decode)
+        drafts = sum(out.spec_tokens.values()) if out.spec_tokens else 0
+        decode = seqs if total == seqs else sum(1 for rid, n in tokens.items() if n == 1 + out.spec_tokens.get(rid, 0))
+        duration = self.step_ns(total - decode - drafts, decode) + self._draft_ns(decode)
+        batch = self._prompt_logprobs_batch(out) if self._prompt_logprobs else None
         try:
-            self.memory.run_step(total, seqs, now, self._prompt_logprobs_batch(out) if self._prompt_logprobs else None)
+            if self.memory.v2:
+                max_query, max_seq = self._batch_extent(out) if total != seqs or seqs > 256 else (1, 0)
+                self.memory.run_step(total, seqs, now, batch, max_query_len=max_query, max_seq_len=max_seq,
+                                     num_logits=seqs + drafts if self.num_spec else 0)
+            else:
+                self.memory.run_step(total, seqs, now, batch)
         except StepOOM as e:
             self._crash(now, e)
             return True
@@ -344,11 +407,18 @@ class VllmEngine:
         for seq in kv.admitted:
             if self._reqs[seq.request_id].first_token_ns < 0:
                 self._awaiting_first.add(seq.request_id)
-        finished = sched.update_from_output(out, {rid: rid for rid in out.sampling_ids})
+        if self.num_spec:
+            sampled = self._verify(out)
+        else:
+            sampled = {rid: rid for rid in out.sampling_ids}
+        finished = sched.update_from_output(out, sampled)
+        self._note_tokens(out.sampling_ids, end)
         if self._awaiting_first:
             self._note_first_tokens(end)
         for rid in finished:
             self._complete(rid, end)
+        if self.num_spec:  # the drafter proposes k tokens for every request that sampled
+            sched.update_draft_token_ids({rid: self.num_spec for rid in out.sampling_ids if rid not in finished})
         self.steps += 1
         self._count_capped_steps(1)
         self.now_ns = self.last_step_ns = end
@@ -356,9 +426,63 @@ class VllmEngine:
         # waiting queue cannot move before a finish or an arrival (it is empty, or this step was
         # decode-only with the same budget and seats as the next one and refused its head)
         waiting = len(sched.waiting)
-        self._quiet = (not sched.preempted_in_step and seqs == len(out.sampling_ids) == running_before + len(kv.admitted)
+        self._quiet = (not self.num_spec and not self.finish_listeners_waiting() and not sched.preempted_in_step
+                       and seqs == len(out.sampling_ids) == running_before + len(kv.admitted)
                        and (not waiting or (not kv.admitted and total == seqs and not finished)))
         return True
+
+    def finish_listeners_waiting(self) -> bool:
+        """Whether a closed-loop client waits for a finish to send its next request: a fused stretch must
+        then end at the first finish (``fused._timeline`` treats it as a waiting request)."""
+        return any(getattr(listener, "waiting", False) for listener in self.finish_listeners)
+
+    def _batch_extent(self, out) -> tuple[int, int]:
+        """The step's longest query and longest sequence (its context after this step's tokens)."""
+        requests = self.scheduler.requests
+        max_query = max(out.num_scheduled_tokens.values())
+        max_seq = max(requests[rid].num_computed_tokens for rid in out.num_scheduled_tokens)
+        return max_query, max_seq
+
+    def _draft_ns(self, decode_seqs: int) -> int:
+        """The drafter's time: k passes of the draft model, each costing the step's base time scaled by
+        the draft's share of the weights (the profile's step-time model; an estimate)."""
+        if not self.num_spec or not decode_seqs:
+            return 0
+        share = self.spec.draft_weights_bytes / max(1, self.profile.geometry.weights_bytes)
+        return int(self.num_spec * self.profile.step_base_s * share * NS_PER_S)
+
+    def _verify(self, out) -> dict:
+        """Tokens each sampling request gets from verification: the bonus token plus the leading drafts
+        accepted, each accepted with ``spec_acceptance_rate`` (a deterministic draw per request, step and
+        position: the acceptance is the workload's, not vLLM's)."""
+        rate, step = self.spec.spec_acceptance_rate, self.scheduler.step
+        sampled = {}
+        for rid in out.sampling_ids:
+            drafts = out.spec_tokens.get(rid, 0)
+            accepted = 0
+            while accepted < drafts and mix_hash(mix_hash(rid, step), accepted + self.seed) % 1_000_000 < rate * 1e6:
+                accepted += 1
+            self.spec_drafts += drafts
+            self.spec_accepted += accepted
+            sampled[rid] = (rid,) * (1 + accepted)
+        return sampled
+
+    def _note_tokens(self, sampling_ids, end: int) -> None:
+        """Inter-token latencies as ``vllm bench serve`` measures them: the gap between a request's
+        streamed chunks (one chunk per step that gives it tokens)."""
+        values, counts, reqs = self._itl_values, self._itl_counts, self._reqs
+        for rid in sampling_ids:
+            info = reqs.get(rid)
+            if info is None:
+                continue
+            if info.last_token_ns >= 0:
+                values.append(end - info.last_token_ns)
+                counts.append(1)
+            info.last_token_ns = end
+
+    def _notify(self, rid: int, end: int, completed: bool) -> None:
+        for listener in self.finish_listeners:
+            listener(rid, end, completed)
 
     def _guard_logprobs(self, sched) -> None:
         """Cap this step's token budget so that prompt-logprob logits fit what the allocator can still
@@ -416,7 +540,11 @@ class VllmEngine:
         self.served.append((info.first_token_ns - info.arrival_ns if info.first_token_ns >= 0 else end - info.arrival_ns,
                             tpot, generated))
         self._prompt_logprobs.discard(rid)
+        self.records.append((rid, info.arrival_ns, info.first_token_ns, end, info.prompt_tokens, generated))
         self.recorder.row(_FINISH, end, rid, flags=_COMPLETED, tokens=generated)
+        if self.memory is not None:
+            self.memory.leak_request()
+        self._notify(rid, end, True)
 
     def _prompt_logprobs_batch(self, out) -> Batch | None:
         """The step as a ``Batch`` when a request asking for prompt logprobs computes prompt positions."""
@@ -444,8 +572,10 @@ class VllmEngine:
                              "requested_bytes": e.requested_bytes, "tried_to_allocate_bytes": e.tried_to_allocate_bytes,
                              "reserved_bytes": e.reserved_bytes, "allocated_bytes": e.allocated_bytes,
                              "reserved_unallocated_bytes": e.reserved_unallocated_bytes,
-                             "device_free_bytes": e.device_free_bytes, "fragmentation": oom.cause is OomCause.FRAGMENTATION,
-                             "running": len(sched.running), "waiting": len(sched.waiting)})
+                             "device_free_bytes": e.device_free_bytes, "fragmentation": e.cause == "fragmentation",
+                             "allocation": oom.allocation, "running": len(sched.running), "waiting": len(sched.waiting),
+                             "neighbour_bytes": self.memory.neighbour_bytes if self.memory else 0,
+                             "leaked_bytes": self.memory.leaked_bytes if self.memory else 0})
         rec.row(_OOM, now, cls=int(OomLayer.ALLOCATOR), flags=int(oom.cause), size=e.requested_bytes,
                 aux=e.reserved_unallocated_bytes)
         running = [s.request_id for s in sched.running]
@@ -456,6 +586,7 @@ class VllmEngine:
             self.failed += 1
             self._outstanding -= info.outstanding
             rec.row(_FINISH, now, rid, flags=_FAILED, tokens=len(seq.output_token_ids))
+            self._notify(rid, now, False)
         self._retire_worker(now)  # the dead process's allocator rows (blocks and segments released) first,
         rec.row(_RESET, now)  # then the reset: a mirror that resets first meets frees of blocks it dropped
         self._awaiting_first.clear()
@@ -557,6 +688,7 @@ class VllmEngine:
         self._awaiting_first.discard(req)
         self._prompt_logprobs.discard(req)
         self.recorder.row(_FINISH, now, req, flags=_ABORTED, tokens=len(seq.output_token_ids))
+        self._notify(req, now, False)
         self._quiet = False
         return private
 

@@ -48,7 +48,7 @@ def _timeline(engine, running, computed, remaining, until_ns):
     bs = sched.kv.block_size
     nxt = engine._next_arrival_ns()
     horizon = until_ns if nxt is None else min(until_ns, nxt)
-    waiting = len(sched.waiting) > 0
+    waiting = len(sched.waiting) > 0 or engine.finish_listeners_waiting()
     bucket = [0] * bs
     for c in computed:
         bucket[c % bs] += 1
@@ -79,6 +79,37 @@ def _timeline(engine, running, computed, remaining, until_ns):
     return starts, sizes, t
 
 
+def _longest(computed: list[int], remaining: list[int], j: int) -> int:
+    """The longest sequence in step ``j`` of the stretch: requests still running then, each one token
+    longer per step."""
+    return max((c + j + 1 for c, r in zip(computed, remaining) if r > j), default=1)
+
+
+def _note_stretch_tokens(engine, running, remaining, ends, k_full) -> None:
+    """Inter-token gaps of the stretch (``VllmEngine._note_tokens``): each request's first gap from its
+    last token before the stretch, then one per step for every request still running in it."""
+    if not k_full:
+        return
+    values, counts, reqs = engine._itl_values, engine._itl_counts, engine._reqs
+    alive = [0] * k_full
+    for seq, r in zip(running, remaining):
+        steps = min(r, k_full)
+        info = reqs.get(seq.request_id)
+        if info is not None and info.last_token_ns >= 0:
+            values.append(ends[0] - info.last_token_ns)
+            counts.append(1)
+        if info is not None:
+            info.last_token_ns = ends[steps - 1]
+        if steps > 1:
+            alive[steps - 1] += 1
+    still = 0
+    for j in range(k_full - 1, 0, -1):  # requests with at least j + 1 tokens in the stretch
+        still += alive[j]
+        if still:
+            values.append(ends[j] - ends[j - 1])
+            counts.append(still)
+
+
 def _report(engine, unreported: list) -> None:
     """FINISH rows after the frees of one step, as ``update_from_output`` frees before the engine reports."""
     for rid, end in unreported:
@@ -101,10 +132,15 @@ def fused_decode(engine, until_ns: int) -> bool:
         return False
     # the allocator first, step by step, each step's rows kept apart to be placed in order
     saved, twin_rows, oom = rec._rows, {}, None
+    memory = engine.memory
+    eager_from = memory.largest_graph
     for j, (t, n) in enumerate(zip(starts, sizes)):
         rec._rows = bytearray()
         try:
-            engine.memory.run_step(n, n, t)
+            if memory.v2 and n > eager_from:  # an eager decode: the attention's splits follow the context
+                memory.run_step(n, n, t, max_query_len=1, max_seq_len=_longest(computed, remaining, j))
+            else:
+                memory.run_step(n, n, t)
         except StepOOM as e:
             oom = e
         if rec._rows:
@@ -115,6 +151,7 @@ def fused_decode(engine, until_ns: int) -> bool:
     k_full = j if oom is not None else len(starts)
     ends = starts[1:k_full + 1] + ([end] if k_full == len(starts) else [])
     n_req = len(running)
+    _note_stretch_tokens(engine, running, remaining, ends, k_full)
 
     events = []
     caching = kv.enable_caching

@@ -50,6 +50,7 @@ Speed, with exactness kept (tests/unit/producers/sim/vllm/test_vllm_engine_memor
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -61,6 +62,8 @@ from kvguard.producers.sim.torch_allocator.caching_allocator import (
     OutOfMemoryError,
 )
 from kvguard.producers.sim.torch_allocator.config import K_SMALL_BUFFER, K_SMALL_SIZE
+from kvguard.producers.sim.vllm.external import LEAK_GRANULE, NEIGHBOUR_GRANULE
+from kvguard.producers.vllm import model_runner_v2 as v2
 from kvguard.producers.vllm.step_memory import (
     CUBLAS_WORKSPACE_OTHER,
     CUBLASLT_WORKSPACE,
@@ -69,6 +72,9 @@ from kvguard.producers.vllm.step_memory import (
     Batch,
     RunnerConfig,
     StepPlan,
+    _Ops,
+    _plan,
+    _region,
     kv_cache_bytes,
     profile_plan,
     step_plan,
@@ -81,22 +87,42 @@ _BLK_ALLOC, _BLK_FREE, _RETRY = int(EventKind.BLK_ALLOC), int(EventKind.BLK_FREE
 _PERSISTENT_NAMES = ("input_ids", "positions", "query_start_loc", "seq_lens", "inputs_embeds", "is_token_ids",
                      "discard_request_indices", "num_decode_draft_tokens", "num_accepted_tokens")
 OOM_CAUSES = {"peak": OomCause.PEAK, "fragmentation": OomCause.FRAGMENTATION}
+CLASS_CAUSES = {"long_context": OomCause.LONG_CONTEXT, "spec_decode": OomCause.SPEC_DECODE,
+                "prompt_logprobs": OomCause.PROMPT_LOGPROBS, "neighbour": OomCause.NEIGHBOUR, "leak": OomCause.LEAK}
+GiB = 1 << 30
+
+
+def format_gib(nbytes: int) -> str:
+    """vllm/utils/mem_utils.py format_gib: GiB rounded to 2 decimals, as vLLM's messages print them."""
+    return f"{round(nbytes / GiB, 2)}"
+
+
+def tag_of(name: str) -> str | None:
+    """The failure class an allocation belongs to (``model_runner_v2.TAGS``), or None."""
+    for prefix, cls in v2.TAGS.items():
+        if name.startswith(prefix):
+            return cls
+    return None
 
 
 class StartupRefused(ValueError):
-    """The worker would not start with these numbers (vLLM raises at start-up in each case)."""
+    """The worker would not start with these numbers (vLLM raises at start-up in each case).
+    ``vllm_message``: vLLM 0.33's own text for the refusal, verbatim, where it has one."""
 
-    def __init__(self, field: str, expected: str):
-        self.field, self.expected = field, expected
-        super().__init__(f"{field}: expected {expected}")
+    def __init__(self, field: str, expected: str, vllm_message: str | None = None):
+        self.field, self.expected, self.vllm_message = field, expected, vllm_message
+        super().__init__(vllm_message or f"{field}: expected {expected}")
 
 
 class StepOOM(MemoryError):
-    """The twin raised OutOfMemoryError during a step: a CUDA OOM. ``error`` carries PyTorch's fields."""
+    """The twin raised OutOfMemoryError during a step: a CUDA OOM. ``error`` carries PyTorch's fields;
+    ``cause`` the failure class the bytes are attributed to (``WorkerMemory._attribute``), else
+    peak/fragmentation; ``allocation`` the tensor that failed."""
 
-    def __init__(self, error: OutOfMemoryError):
+    def __init__(self, error: OutOfMemoryError, cause: OomCause | None = None, allocation: str = ""):
         self.error = error
-        self.cause = OOM_CAUSES.get(error.cause, OomCause.OTHER)
+        self.allocation = allocation
+        self.cause = cause if cause is not None else OOM_CAUSES.get(error.cause, OomCause.OTHER)
         super().__init__(str(error))
 
 
@@ -115,13 +141,53 @@ class MemoryLedger:
     kv_bytes_per_token: int
     block_bytes: int
     num_gpu_blocks: int
+    # vLLM 0.33's accounting (Model Runner V2 profiles; 0 for the V1-runner profiles)
+    requested_bytes: int = 0  # ceil(total * gpu_memory_utilization)
+    init_free_bytes: int = 0  # free at the start-up snapshot
+    total_consumed_bytes: int = 0  # init free - free after profiling (weights, buffers, non-torch)
+    max_model_len: int = 0
+    warmup_reqs: int = 0  # requests of the post-KV warm-up (warmup_kernels)
+    kv_cache_memory_fixed: bool = False  # --kv-cache-memory-bytes: the formula was skipped
 
     @property
     def kv_tensor_bytes(self) -> int:
         return self.num_gpu_blocks * self.block_bytes
 
     def to_dict(self) -> dict:
-        return {name: getattr(self, name) for name in self.__slots__} | {"kv_tensor_bytes": self.kv_tensor_bytes}
+        return {name: getattr(self, name) for name in self.__slots__} | {"kv_tensor_bytes": self.kv_tensor_bytes,
+                                                                       "kv_token_capacity": self.kv_token_capacity}
+
+    @property
+    def max_concurrency(self) -> float:
+        """``get_max_concurrency_for_kv_cache_config``: blocks over blocks one max_model_len request needs."""
+        return self.num_gpu_blocks / -(-self.max_model_len // (self.block_bytes // self.kv_bytes_per_token)) \
+            if self.max_model_len else 0.0
+
+    @property
+    def kv_token_capacity(self) -> int:
+        """vLLM's "GPU KV cache size: N tokens" (``kv_cache_utils.py``): ``int(max_concurrency * max_model_len)``."""
+        return int(self.max_concurrency * self.max_model_len) if self.max_model_len else \
+            self.num_gpu_blocks * (self.block_bytes // self.kv_bytes_per_token)
+
+    def log_lines(self) -> list[str]:
+        """vLLM 0.33's start-up lines for these numbers (format strings of ``gpu_worker.py``, ``kv_cache_utils.py``)."""
+        lines = [f"Model loading took {format_gib(self.weights_bytes)} GiB memory"]
+        if self.kv_cache_memory_fixed:
+            lines.append(f"Initial free memory {format_gib(self.init_free_bytes)} GiB, reserved "
+                         f"{format_gib(self.kv_cache_bytes)} GiB memory for KV Cache as specified by "
+                         f"kv_cache_memory_bytes config and skipped memory profiling. This does not respect the "
+                         f"gpu_memory_utilization config.")
+        elif self.requested_bytes:
+            lines.append(f"Available KV cache memory: {format_gib(self.kv_cache_bytes)} GiB")
+            lines.append(f"Free memory on device ({format_gib(self.init_free_bytes)}/{format_gib(self.total_bytes)} "
+                         f"GiB) on startup. Desired GPU memory utilization is "
+                         f"({round(self.requested_bytes / self.total_bytes, 4)}, {format_gib(self.requested_bytes)} "
+                         f"GiB). Actual usage is {format_gib(self.total_consumed_bytes)} GiB for consumed memory "
+                         f"(weights + non-torch), {format_gib(self.profile_peak_bytes)} GiB for peak activation, and "
+                         f"{format_gib(self.cudagraph_bytes)} GiB for CUDAGraph memory.")
+        lines.append(f"GPU KV cache size: {self.kv_token_capacity:,} tokens, Maximum concurrency for "
+                     f"{self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x")
+        return lines
 
 
 class RecordingDriver:
@@ -180,6 +246,44 @@ def _segment_pool(size: int) -> int:
     return int(Pool.SMALL) if size == K_SMALL_BUFFER or size % (20 << 20) else int(Pool.LARGE)
 
 
+@lru_cache(maxsize=1 << 16)
+def _attention_key(shape, kernel, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int):
+    return v2.attention_key(shape, kernel, num_tokens, num_seqs, max_query_len, max_seq_len)
+
+
+def auto_fit_max_model_len(available: int, block_bytes: int, block_size: int, max_model_len: int) -> int:
+    """``--max-model-len -1`` (``kv_cache_planning._auto_fit_max_model_len``): the longest length whose
+    blocks fit the memory left after the null block, at most the derived one."""
+    fitted = min(max_model_len, max(0, available - block_bytes) // block_bytes * block_size)
+    if fitted < 1:
+        raise StartupRefused("max_model_len", "room for one token", (
+            "Cannot auto-fit max_model_len: not enough GPU memory available to serve even a single token. Try "
+            "increasing `gpu_memory_utilization`."))
+    return fitted
+
+
+def check_kv_fits(available: int, block_bytes: int, block_size: int, max_model_len: int) -> None:
+    """``kv_cache_planning.get_kv_cache_configs``: one block is held back for the null block, then
+    ``_check_enough_kv_cache_memory`` refuses with vLLM's messages (verbatim)."""
+    check = available - block_bytes
+    if check <= 0:
+        raise StartupRefused("gpu_memory_utilization", "memory left for the KV cache", (
+            "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing "
+            "the engine (this flag also controls CPU memory reservation on the CPU backend, despite its name). "
+            "See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."))
+    needed = -(-max_model_len // block_size) * block_bytes
+    if needed > check:
+        estimated = check // block_bytes * block_size
+        hint = f"Based on the available memory, the estimated maximum model length is {estimated}. " \
+            if estimated else ""
+        raise StartupRefused("max_model_len", f"a KV cache that holds one request of max_model_len={max_model_len}", (
+            f"To serve at least one request with the model's max seq len ({max_model_len}), ({format_gib(needed)} "
+            f"GiB KV cache is needed, which is larger than the available KV cache memory ({format_gib(check)} GiB). "
+            f"{hint}Try increasing `gpu_memory_utilization` (which also controls CPU memory on the CPU backend) or "
+            f"decreasing `max_model_len` when initializing the engine. See "
+            f"https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."))
+
+
 def kv_bytes_per_token(shape) -> int:
     """K and V of every layer for one token on one TP rank (vLLM's page size per layer / block_size)."""
     return 2 * shape.num_layers * shape.kv_heads_per_rank * shape.head_dim * shape.dtype_bytes
@@ -209,13 +313,28 @@ class WorkerMemory:
 
     def __init__(self, spec, *, total_bytes: int, weights_bytes: int, context_bytes: int,
                  gpu_memory_utilization: float, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, emit=None, now_ns: int = 0, fast: bool = True, record_history: bool = False):
+                 max_model_len: int, emit=None, now_ns: int = 0, fast: bool = True, record_history: bool = False,
+                 neighbour=None, leak=None):
         self.spec = spec
         self.shape = spec.shape
         self.emit = emit
         self.fast = fast
+        self.v2 = getattr(spec, "model_runner", "v1") == "v2"
         self.runner = RunnerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                   cudagraph_mode=spec.cudagraph_mode)
+                                   cudagraph_mode="NONE" if getattr(spec, "enforce_eager", False)
+                                   else spec.cudagraph_mode,
+                                   fa2_split_kv=not self.v2 and getattr(spec, "attention_version", 3) == 2,
+                                   num_sms=getattr(spec, "num_sms", 132))
+        self.kernel = v2.AttentionKernel(getattr(spec, "attention_version", 3), getattr(spec, "num_sms", 132),
+                                         getattr(spec, "attention_lse", "total_q"))
+        self.neighbour, self.leak = neighbour, leak
+        sizes = self.runner.capture_sizes
+        self.largest_graph = sizes[-1] if sizes else 0  # steps with more tokens run eagerly
+        self.neighbour_bytes = self.neighbour_start_bytes = 0
+        self.leaked: list[int] = []  # addresses of blocks never freed (C7)
+        self.leaked_bytes = 0
+        self._leak_debt = 0.0
+        self._leak_clock_ns = now_ns
         self.driver = RecordingDriver(DeviceMemory(total_bytes))
         self.config = AllocatorConfig.from_string(spec.allocator_conf)
         self.twin = CachingAllocator(driver=self.driver, config=self.config, record_history=record_history)
@@ -225,8 +344,9 @@ class WorkerMemory:
         self._compiled: dict[int, tuple] = {}
         self.persistent: dict[str, tuple[int, int, int, int]] = {}  # name -> (address, block, requested, segment)
         self.retries_seen = 0
-        self.ledger = self._start(total_bytes, weights_bytes, context_bytes, gpu_memory_utilization,
-                                  max_num_batched_tokens, max_num_seqs, max_model_len, now_ns)
+        start = self._start_v2 if self.v2 else self._start
+        self.ledger = start(total_bytes, weights_bytes, context_bytes, gpu_memory_utilization,
+                            max_num_batched_tokens, max_num_seqs, max_model_len, now_ns)
 
     # ---------------------------------------------------------------- start-up (gpu_worker.py order)
     def _start(self, total, weights, context, utilization, max_tokens, max_seqs, max_model_len, now) -> MemoryLedger:
@@ -273,7 +393,97 @@ class WorkerMemory:
             raise StartupRefused("total_bytes", f"room for the sampler warm-up ({e.error})") from None
         self.twin.reset_peak_stats()
         return MemoryLedger(total, context, weights, persistent, peak, spec.non_torch_increase_bytes,
-                            spec.cudagraph_bytes, available, per_token, block_bytes, num_blocks)
+                            spec.cudagraph_bytes, available, per_token, block_bytes, num_blocks,
+                            max_model_len=max_model_len)
+
+    def _start_v2(self, total, weights, context, utilization, max_tokens, max_seqs, max_model_len, now) -> MemoryLedger:
+        """vLLM 0.33's ``Worker`` with Model Runner V2 (``gpu_worker.py init_device`` and
+        ``determine_available_memory``, ``utils/mem_utils.py memory_profiling``, ``v1/worker/utils.py
+        request_memory``, ``v1/core/kv_cache_planning.py``), in order:
+
+        1. context + NCCL (``context_bytes``) and a neighbour already on the GPU are taken; the cuBLAS
+           handles are made *before* the snapshot (their workspaces are baseline, outside the budget);
+        2. the snapshot: ``requested = ceil(total * utilization)``; free below it is refused;
+        3. the runner's persistent buffers, then the weights (target and draft);
+        4. the profile run (``model_runner_v2.profile_plan_v2``), ``empty_cache``;
+           ``available = requested - (init_free - free_after) - (peak - allocated_after) - graph estimate``,
+           or ``--kv-cache-memory-bytes`` as given (the profile still runs);
+        5. blocks of every layer's pages (target and draft layers share one group); vLLM's refusals;
+        6. the KV tensor, the block tables, the warm-up (``warmup_plan_v2``, skipped with
+           ``--enforce-eager``), the CUDA-graph pool."""
+        spec, shape, device = self.spec, self.shape, self.driver.memory
+        device.reserve_external(context)
+        if self.neighbour is not None and self.neighbour.start_bytes:
+            if self.neighbour.start_bytes > device.free_bytes:
+                raise StartupRefused("neighbour", "a neighbour that fits the GPU")
+            device.reserve_external(self.neighbour.start_bytes)
+            self.neighbour_bytes = self.neighbour_start_bytes = self.neighbour.start_bytes
+        cublas = spec.cublas_workspace_bytes or CUBLAS_WORKSPACE_OTHER + CUBLASLT_WORKSPACE
+        self._persistent_malloc("cublas_workspace", cublas, now)
+        self.twin.empty_cache(now_ns=now)
+        self._flush(now)
+        init_free = device.free_bytes
+        requested = math.ceil(total * utilization)
+        if init_free < requested:
+            raise StartupRefused("gpu_memory_utilization", f"free memory >= {requested} bytes at start-up", (
+                f"Free memory on device cuda:0 ({format_gib(init_free)}/{format_gib(total)} GiB) on startup is "
+                f"less than desired GPU memory utilization ({utilization}, {format_gib(requested)} GiB). Decrease "
+                f"GPU memory utilization or reduce GPU memory used by other processes."))
+        k = getattr(spec, "num_speculative_tokens", 0)
+        for name, size in v2.persistent_buffer_bytes_v2(shape, max_tokens, max_seqs, k):
+            if size:
+                self._persistent_malloc(name, size, now)
+        draft = getattr(spec, "draft_shape", None)
+        loaded = weights + getattr(spec, "draft_weights_bytes", 0)
+        if loaded + spec.cudagraph_bytes > device.free_bytes:
+            raise StartupRefused("weights_bytes", "weights that fit the GPU (vLLM's model loading fails)")
+        device.reserve_external(loaded)
+        self.twin.reset_peak_stats()
+        try:
+            self._replay(v2.profile_plan_v2(shape, max_tokens, max_seqs, draft), now, persistent_ok=True)
+        except StepOOM as e:
+            raise StartupRefused("total_bytes", f"room for the profiling run ({e.error})", str(e.error)) from None
+        peak_allocated = self.twin.memory_stats()["allocated_bytes.all.peak"]
+        self.twin.empty_cache(now_ns=now)
+        self._flush(now)
+        device.reserve_external(spec.non_torch_increase_bytes)
+        allocated_after = self.twin.allocated_bytes
+        total_consumed = init_free - device.free_bytes
+        transient = peak_allocated - allocated_after
+        graphs = 0 if self.runner.cudagraph_mode == "NONE" else spec.cudagraph_bytes
+        fixed = getattr(spec, "kv_cache_memory_bytes", 0)
+        available = fixed if fixed else requested - (total_consumed + transient) - graphs
+        per_token = kv_bytes_per_token(shape) + (kv_bytes_per_token(draft) if draft is not None else 0)
+        block_bytes = spec.block_size * per_token
+        if getattr(spec, "auto_fit_max_model_len", False):
+            max_model_len = auto_fit_max_model_len(available, block_bytes, spec.block_size, max_model_len)
+        check_kv_fits(available, block_bytes, spec.block_size, max_model_len)
+        num_blocks = available // block_bytes
+        kv_tensor = num_blocks * block_bytes
+        if kv_tensor + graphs > device.free_bytes:
+            raise StartupRefused("kv_cache_memory_bytes", "a KV cache that fits the free memory", (
+                f"CUDA out of memory. Tried to allocate {format_gib(kv_tensor)} GiB for the KV cache with "
+                f"{format_gib(device.free_bytes)} GiB free (initialize_kv_cache)"))
+        device.reserve_external(kv_tensor)
+        for name, size in v2.block_table_bytes_v2(max_seqs, max_model_len, spec.block_size, max_tokens):
+            self._persistent_malloc(name, size, now)
+        warm = 0
+        if self.runner.cudagraph_mode != "NONE":  # enforce_eager disables the JIT kernel warm-up too
+            dql = 1 + k
+            warm = v2.warmup_num_reqs(max_seqs, max_tokens, dql, num_blocks, spec.block_size, k, max_model_len, k > 0)
+            chunk = getattr(spec, "rejection_chunk_bytes", v2.MAX_CHUNK_BYTES) or None
+            try:
+                for plan in v2.warmup_plans_v2(shape, self.runner, self.kernel, warm, dql, draft, k, chunk):
+                    self._replay(plan, now)
+            except StepOOM as e:
+                raise StartupRefused("total_bytes", f"room for the kernel warm-up ({e.error})", str(e.error)) from None
+        device.reserve_external(graphs)
+        self.twin.reset_peak_stats()
+        persistent = sum(block for _, block, _, _ in self.persistent.values())
+        return MemoryLedger(total, context, weights, persistent, transient, spec.non_torch_increase_bytes, graphs,
+                            available, per_token, block_bytes, num_blocks, requested_bytes=requested,
+                            init_free_bytes=init_free, total_consumed_bytes=total_consumed,
+                            max_model_len=max_model_len, warmup_reqs=warm, kv_cache_memory_fixed=bool(fixed))
 
     def _persistent_malloc(self, name: str, size: int, now: int) -> int:
         self.driver.requested = size
@@ -302,20 +512,118 @@ class WorkerMemory:
             return step_plan_for(self.shape, batch, self.runner)
         return step_plan(self.shape, self.runner, num_tokens, num_seqs, num_tokens == num_seqs, 1, self.spec.sampling)
 
-    def run_step(self, num_tokens: int, num_seqs: int, now_ns: int, batch: Batch | None = None) -> None:
+    def run_step(self, num_tokens: int, num_seqs: int, now_ns: int, batch: Batch | None = None, *,
+                 max_query_len: int = 0, max_seq_len: int = 0, num_logits: int = 0) -> None:
         """The step's non-KV allocations, in order; raises StepOOM. ``batch`` is needed only for
-        what the cached plans leave out (prompt logprobs)."""
+        what the cached plans leave out (prompt logprobs). Model Runner V2 profiles also take the
+        batch's longest query and sequence (attention buffers, C3) and the logits rows when
+        speculating (C8). Memory outside vLLM (neighbour, leak) moves first, at ``now_ns``."""
+        if self.neighbour is not None or self.leak is not None:
+            self._external(now_ns)
+        if self.v2:
+            plan, cacheable = self._plan_v2(num_tokens, num_seqs, batch, max_query_len, max_seq_len, num_logits)
+            extra = (plan,) if cacheable else None
+        else:
+            plan, extra = None, ()
         key = None
-        if batch is None and self.fast:
-            key = (self.driver.calls, num_tokens, num_seqs)
+        if extra is not None and batch is None and self.fast:
+            key = (self.driver.calls, num_tokens, num_seqs) + extra
             if key in self._noop:
                 return
         calls = self.driver.calls
-        self._replay(self.plan_for(num_tokens, num_seqs, batch), now_ns)
+        self._replay(plan if plan is not None else self.plan_for(num_tokens, num_seqs, batch), now_ns)
         if key is not None and self.driver.calls == calls:
             self._noop.add(key)
         elif self.driver.calls != calls:
             self._noop.clear()
+
+    def _plan_v2(self, num_tokens, num_seqs, batch, max_query_len, max_seq_len, num_logits):
+        """The cached Model Runner V2 plan for this step, and whether it may be memoised (prompt
+        logprobs are appended per step and are not)."""
+        spec = self.spec
+        uniform = num_tokens == num_seqs if not num_logits else num_tokens == num_logits
+        attn = (0, 1)
+        if self.kernel.lse_rows != "total_q" or self.kernel.version == 3:
+            region = _region(self.runner, num_tokens, uniform)[0]
+            if region != "full":
+                attn = _attention_key(self.shape, self.kernel, num_tokens, num_seqs, max_query_len or 1,
+                                      max(max_seq_len, max_query_len, 1))
+        k = getattr(spec, "num_speculative_tokens", 0)
+        plan = v2.step_plan_v2(self.shape, self.runner, self.kernel, num_tokens, num_seqs, uniform, spec.sampling,
+                               attn, num_logits, getattr(spec, "draft_shape", None), k,
+                               getattr(spec, "rejection_chunk_bytes", v2.MAX_CHUNK_BYTES) or None)
+        positions = [c for c in (batch.prompt_logprobs_tokens if batch is not None else ()) if c > 0]
+        if not positions:
+            return plan, True
+        extra = _Ops()
+        for count in positions:
+            v2.prompt_logprobs_ops(extra, self.shape, count)
+        tail = len(plan.epilogue) - (1 if plan.epilogue and plan.epilogue[-1].name == HIDDEN else 0)
+        pro, lay, epi = _Ops(), _Ops(), _Ops()
+        pro.ops, lay.ops = list(plan.prologue), list(plan.layer)
+        epi.ops = list(plan.epilogue[:tail]) + extra.ops + list(plan.epilogue[tail:])
+        return _plan(pro, lay, plan.num_layers, epi), False
+
+    # ---------------------------------------------------------------- memory outside vLLM (C4, C7)
+    def _external(self, now_ns: int) -> None:
+        """Move the neighbour to its schedule and materialise the leak owed since the last step."""
+        changed = False
+        device = self.driver.memory
+        if self.neighbour is not None:
+            want = self.neighbour.bytes_at(now_ns / 1e9)
+            delta = want - self.neighbour_bytes
+            if delta > 0:  # it can only take what is free on the device
+                take = min(delta, device.free_bytes) // NEIGHBOUR_GRANULE * NEIGHBOUR_GRANULE
+                if take:
+                    device.reserve_external(take)
+                    self.neighbour_bytes += take
+                    changed = True
+            elif delta < 0:
+                device.release_external(-delta)
+                self.neighbour_bytes += delta
+                changed = True
+        if self.leak is not None and self.leak.active:
+            elapsed_s = max(0, now_ns - self._leak_clock_ns) / 1e9
+            self._leak_debt += self.leak.bytes_per_s * elapsed_s + self.leak.bytes_per_step
+            self._leak_clock_ns = now_ns
+            while self._leak_debt >= LEAK_GRANULE:
+                self._leak_debt -= LEAK_GRANULE
+                try:
+                    self._persistent_malloc(f"leak.{len(self.leaked)}", LEAK_GRANULE, now_ns)
+                except OutOfMemoryError as e:
+                    self._flush(now_ns)
+                    raise StepOOM(e, OomCause.LEAK, "leak") from None
+                self.leaked.append(self.persistent[f"leak.{len(self.leaked)}"][0])
+                self.leaked_bytes += LEAK_GRANULE
+                changed = True
+        if changed:
+            self.driver.calls += 1  # a new state epoch: memoised replays no longer apply
+            self._noop.clear()
+
+    def leak_request(self) -> None:
+        """A request finished: its share of the leak, held from the next step on."""
+        if self.leak is not None and self.leak.bytes_per_request:
+            self._leak_debt += self.leak.bytes_per_request
+
+    def _attribute(self, error: OutOfMemoryError, failed: str, failed_bytes: int,
+                   live: dict[str, int]) -> OomCause | None:
+        """The failure class whose bytes alone cover the shortfall (the largest if several do), or None:
+        tagged tensors live at the failure (``model_runner_v2.TAGS``), the neighbour's growth since
+        start-up, the leaked bytes."""
+        shortfall = error.tried_to_allocate_bytes - error.device_free_bytes
+        bytes_by: dict[str, int] = {}
+        for name, nbytes in [(failed, failed_bytes), *live.items()]:
+            cls = tag_of(name)
+            if cls is not None:
+                bytes_by[cls] = bytes_by.get(cls, 0) + nbytes
+        if self.neighbour_bytes > self.neighbour_start_bytes:
+            bytes_by["neighbour"] = self.neighbour_bytes - self.neighbour_start_bytes
+        if self.leaked_bytes:
+            bytes_by["leak"] = self.leaked_bytes
+        covering = [cls for cls, nbytes in bytes_by.items() if nbytes >= shortfall]
+        if not covering:
+            return None
+        return CLASS_CAUSES[max(covering, key=bytes_by.__getitem__)]
 
     def _replay(self, plan: StepPlan, now: int, persistent_ok: bool = False) -> None:
         compiled = self._compiled.get(id(plan))
@@ -327,6 +635,7 @@ class WorkerMemory:
         _, prologue, layer, epilogue = compiled
         self.twin.now_ns = now
         live: dict[str, int] = {}
+        self._failed = ("", 0)
         try:
             hidden = self._section(prologue, live, None, persistent_ok)
             if layer:
@@ -334,7 +643,10 @@ class WorkerMemory:
             self._section(epilogue, live, hidden, persistent_ok)
         except OutOfMemoryError as e:
             self._flush(now)
-            raise StepOOM(e) from None
+            sizes = {name: nbytes for ops in (prologue, epilogue) for is_alloc, name, nbytes, _ in ops if is_alloc}
+            name, nbytes = self._failed
+            cause = self._attribute(e, name, nbytes, {n: sizes.get(n, 0) for n in live})
+            raise StepOOM(e, cause, name) from None
         if self.driver.log:
             self._flush(now)
 
@@ -344,7 +656,11 @@ class WorkerMemory:
         for is_alloc, name, nbytes, role in ops:
             if is_alloc:
                 driver.requested = nbytes
-                address = twin.malloc(nbytes)
+                try:
+                    address = twin.malloc(nbytes)
+                except OutOfMemoryError:
+                    self._failed = (name, nbytes)
+                    raise
                 if role == 2:
                     hidden = address
                 elif role == 3:
@@ -378,19 +694,23 @@ class WorkerMemory:
         while i < num_layers:
             live: dict[str, int] = {}
             new_hidden, new_block = hidden, 0
-            for is_alloc, name, nbytes, role in layer:
-                if is_alloc:
-                    driver.requested = nbytes
-                    if role == 2:
-                        before = twin.allocated_bytes
-                        new_hidden = twin.malloc(nbytes)
-                        new_block = twin.allocated_bytes - before
+            try:
+                for is_alloc, name, nbytes, role in layer:
+                    if is_alloc:
+                        driver.requested = nbytes
+                        if role == 2:
+                            before = twin.allocated_bytes
+                            new_hidden = twin.malloc(nbytes)
+                            new_block = twin.allocated_bytes - before
+                        else:
+                            live[name] = twin.malloc(nbytes)
+                    elif role == 1:
+                        twin.free(hidden)
                     else:
-                        live[name] = twin.malloc(nbytes)
-                elif role == 1:
-                    twin.free(hidden)
-                else:
-                    twin.free(live.pop(name))
+                        twin.free(live.pop(name))
+            except OutOfMemoryError:
+                self._failed = (name, nbytes)
+                raise
             hidden = new_hidden
             i += 1
             if not self._can_skip_layers:

@@ -30,7 +30,11 @@ Differences from vLLM 0.33.0 (everything else is meant to match step for step):
   True where the executor supports it and then runs ``AsyncScheduler``: step N+1 is scheduled
   before step N's output is processed, with one output placeholder token per decoding request, so
   blocks are taken one token earlier and a finished request frees its blocks one step later;
-- not modelled: pipeline parallelism, speculative decoding, KV connectors
+- speculative decoding as the draft-model method schedules it: ``num_spec_tokens`` drafts per running
+  request, ``num_lookahead_tokens`` slots in ``allocate_slots``, one input slot per scheduled request
+  for the drafter (``draft_slots``), rejected drafts rolling back ``num_computed_tokens``; the drafts'
+  token ids are not modelled (only their count), and this path is not in the differential test;
+- not modelled: pipeline parallelism, KV connectors
   (P/D, offloading), encoder/multimodal inputs, LoRA, structured output, streaming sessions,
   pooling models, prompt logprobs, Mamba/sliding-window/hybrid groups, the DP prefill cadence
   (``prefill_schedule_interval`` stays 1), ``max_num_active_seqs`` (= ``max_num_seqs``),
@@ -100,6 +104,9 @@ class SchedulerConfig:
     watermark: float = 0.0
     enable_prefix_caching: bool = True
     num_lookahead_tokens: int = 0
+    # speculative decoding (draft_model method): input slots each scheduled request reserves for the
+    # drafter (SpeculativeConfig.max_num_new_slots_for_drafting: 1 for a draft model, 0 without one)
+    draft_slots: int = 0
 
     def __post_init__(self):
         if self.policy not in QUEUES:
@@ -154,6 +161,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     is_prefill_chunk: bool = False
+    num_spec_tokens: int = 0  # draft tokens proposed for the next step (vLLM: len(spec_token_ids))
     output_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
 
@@ -283,6 +291,7 @@ class ScheduleOutput:
     preempted_ids: tuple[Hashable, ...]
     finished_ids: tuple[Hashable, ...]
     sampling_ids: tuple[Hashable, ...]
+    spec_tokens: dict[Hashable, int] = field(default_factory=dict)  # draft tokens scheduled per request
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -350,9 +359,10 @@ class Scheduler:
         block_ids: dict[Hashable, tuple[int, ...]] = {}
         preempted: list[Sequence] = []
         threshold = cfg.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
-        budget = self._schedule_running(budget, threshold, scheduled, block_ids, preempted)
+        spec: dict[Hashable, int] = {}
+        budget, inputs = self._schedule_running(budget, threshold, scheduled, block_ids, preempted, spec)
         if not preempted:
-            self._schedule_waiting(budget, threshold, scheduled, block_ids)
+            self._schedule_waiting(budget, threshold, scheduled, block_ids, inputs)
         sampling = []
         requests = self.requests
         for rid, n in scheduled.items():
@@ -362,21 +372,27 @@ class Scheduler:
             if not seq.is_prefill_chunk:
                 sampling.append(rid)
         out = ScheduleOutput(self.step, scheduled, block_ids, tuple(s.request_id for s in preempted),
-                             tuple(self._finished_since_schedule), tuple(sampling))
+                             tuple(self._finished_since_schedule), tuple(sampling), spec)
         self._finished_since_schedule = []
         return out
 
     def _schedule_running(self, budget: int, threshold: int, scheduled: dict, block_ids: dict,
-                          preempted: list) -> int:
+                          preempted: list, spec: dict) -> tuple[int, int]:
+        """Returns the token budget and the input budget left (vLLM's ``input_budget``: every scheduled
+        request also takes ``draft_slots`` input slots, so with a draft model fewer tokens fit)."""
         cfg, running = self.config, self.running
         allocate, lookahead, max_model_len = self.kv.allocate_slots, cfg.num_lookahead_tokens, cfg.max_model_len
+        slots = cfg.draft_slots
+        inputs = cfg.max_num_batched_tokens
         i = 0
         while i < len(running) and budget > 0:
+            if inputs <= slots:
+                break
             seq = running[i]
-            n = seq.num_tokens - seq.num_computed_tokens
+            n = seq.num_tokens + seq.num_spec_tokens - seq.num_computed_tokens
             if 0 < threshold < n:
                 n = threshold
-            n = min(n, budget, max_model_len - seq.num_computed_tokens - 1)
+            n = min(n, budget, inputs - slots, max_model_len - seq.num_computed_tokens - 1)
             if n <= 0:
                 i += 1
                 continue
@@ -389,8 +405,11 @@ class Scheduler:
                 if index < i:
                     i -= 1
                 if victim.request_id in scheduled:
-                    budget += scheduled.pop(victim.request_id)
+                    restored = scheduled.pop(victim.request_id)
+                    budget += restored
+                    inputs += restored + slots
                     del block_ids[victim.request_id]
+                    spec.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -401,9 +420,15 @@ class Scheduler:
                 break
             scheduled[seq.request_id] = n
             block_ids[seq.request_id] = tuple(new)
+            if seq.num_spec_tokens:
+                drafts = n + seq.num_computed_tokens - seq.num_tokens
+                if drafts > 0:
+                    spec[seq.request_id] = min(drafts, seq.num_spec_tokens)
+                seq.num_spec_tokens = 0  # new ones come with update_draft_token_ids
             budget -= n
+            inputs -= n + slots
             i += 1
-        return budget
+        return budget, inputs
 
     def _pick_victim(self) -> tuple[Sequence, int]:
         """fcfs: the last running request; priority: the first with the largest (priority, arrival)."""
@@ -415,15 +440,19 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq.request_id)
+        seq.num_spec_tokens = 0
         seq.status = SeqStatus.PREEMPTED
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(seq)
 
-    def _schedule_waiting(self, budget: int, threshold: int, scheduled: dict, block_ids: dict) -> None:
+    def _schedule_waiting(self, budget: int, threshold: int, scheduled: dict, block_ids: dict,
+                          inputs: int | None = None) -> None:
         cfg, kv = self.config, self.kv
-        while budget > 0 and len(self.waiting) and len(self.running) < cfg.max_num_seqs:
+        slots = cfg.draft_slots
+        inputs = cfg.max_num_batched_tokens if inputs is None else inputs
+        while budget > 0 and len(self.waiting) and len(self.running) < cfg.max_num_seqs and inputs > slots:
             seq = self.waiting.peek()
             computed = kv.get_computed_blocks(seq)
             n = seq.num_tokens - computed.num_tokens
@@ -431,7 +460,7 @@ class Scheduler:
                 n = threshold
             if not cfg.enable_chunked_prefill and n > budget:
                 break
-            n = min(n, budget)
+            n = min(n, budget, inputs - slots)
             new = kv.allocate_slots(seq, n, computed, num_lookahead_tokens=cfg.num_lookahead_tokens,
                                     full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
                                     has_scheduled_reqs=bool(self.running))
@@ -445,6 +474,7 @@ class Scheduler:
             scheduled[seq.request_id] = n
             block_ids[seq.request_id] = kv.block_ids(seq.request_id)
             budget -= n
+            inputs -= n + slots
 
     # ---- after the model step --------------------------------------------------------------
     def update_from_output(self, output: ScheduleOutput, sampled_token_ids: Mapping[Hashable, int]) -> list[Hashable]:
@@ -458,11 +488,25 @@ class Scheduler:
         finished = []
         max_model_len = self.config.max_model_len
         requests = self.requests
+        spec = output.spec_tokens
         for rid in output.sampling_ids:
             seq = requests.get(rid)
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue
-            seq.append_output_token(sampled_token_ids[rid])
+            tokens = sampled_token_ids[rid]
+            if isinstance(tokens, int):
+                tokens = (tokens,)
+            drafts = spec.get(rid, 0)
+            if drafts:  # rejected drafts roll back the computed tokens (update_from_output)
+                rejected = drafts - (len(tokens) - 1)
+                if rejected < 0:
+                    raise BadModelOutput(f"step {output.step}: request {rid!r} got {len(tokens)} tokens for "
+                                         f"{drafts} draft tokens")
+                seq.num_computed_tokens -= rejected
+            for token in tokens:  # _update_request_with_output: stop checks after each token
+                seq.append_output_token(token)
+                if seq.num_tokens >= max_model_len or len(seq.output_token_ids) >= seq.max_tokens:
+                    break
             if seq.num_tokens >= max_model_len or len(seq.output_token_ids) >= seq.max_tokens:
                 seq.status = SeqStatus.FINISHED_LENGTH
                 self.kv.free(rid)
@@ -473,6 +517,15 @@ class Scheduler:
             self.num_finished += len(finished)
             self._finished_since_schedule.extend(finished)
         return finished
+
+    def update_draft_token_ids(self, num_draft_tokens: Mapping[Hashable, int]) -> None:
+        """The drafter's proposals for the next step (``Scheduler.update_draft_token_ids``): ignored for a
+        finished request or one in the middle of its prefill."""
+        for rid, count in num_draft_tokens.items():
+            seq = self.requests.get(rid)
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.num_spec_tokens = 0 if seq.is_prefill_chunk else count
 
     def finish_requests(self, request_ids, status: SeqStatus = SeqStatus.FINISHED_ABORTED) -> list[Hashable]:
         """End requests from outside, wherever they are (vLLM ``Scheduler.finish_requests``): out of

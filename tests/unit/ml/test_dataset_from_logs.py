@@ -23,7 +23,8 @@ def oom_log(tmp_path_factory):
     result = CliRunner().invoke(app, [
         "simulate", "--workload", SPEC.workload, "--rate-scale", str(SPEC.rate_scale), "--profile", SPEC.profile,
         "--seed", "0", "--duration", "900s", "--gpus", "1", "--no-drain", "--json",
-        "--gpu-memory-utilization", "0.95", "--prompt-logprobs-frac", "0.05", "--events-out", str(path)])
+        "--gpu-memory-utilization", "0.95", "--prompt-logprobs-frac", "0.05", "--model-runner", "v1",
+        "--events-out", str(path)])  # the V1 runner, as dataset runs of vLLM profiles use (kvguard.ml.dataset)
     assert result.exit_code == 0, result.output
     return path
 

@@ -21,7 +21,10 @@ VLLM = "llama3-8b-24gb-vllm"
 
 
 def engine(util: float, *, guard: bool, frac: float = 1.0) -> VllmEngine:
-    return VllmEngine(load_profile(VLLM, knobs=EngineKnobs(gpu_memory_utilization=util)),
+    """The V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``): its ``_get_prompt_logprobs_dict`` makes a
+    request's whole chunk of logits at once, the OOM the guard prevents; 0.33's default runner computes
+    prompt logprobs in 1024-position chunks (``model_runner_v2``)."""
+    return VllmEngine(load_profile(VLLM, knobs=EngineKnobs(gpu_memory_utilization=util, model_runner="v1")),
                       config=VllmEngineConfig(prompt_logprobs_frac=frac, logprobs_guard=guard))
 
 
@@ -68,7 +71,7 @@ def test_without_prompt_logprob_traffic_the_guard_changes_nothing():
 
 def test_simulate_takes_the_guard_on_vllm_profiles_and_refuses_it_on_the_seed_engine():
     args = ["simulate", "-w", "mixed", "--duration", "60s", "--gpu-memory-utilization", "0.97",
-            "--prompt-logprobs-frac", "0.2", "--logprobs-guard", "--json"]
+            "--prompt-logprobs-frac", "0.2", "--logprobs-guard", "--model-runner", "v1", "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     import json

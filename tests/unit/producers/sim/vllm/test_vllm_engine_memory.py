@@ -24,13 +24,14 @@ def _worker(spec=None, *, fast=True, recorder=None, total=1 * GiB, **kw):
     args = {"total_bytes": total, "weights_bytes": 600 * MiB, "context_bytes": 30 * MiB, "gpu_memory_utilization": 0.9,
             "max_num_batched_tokens": 512, "max_num_seqs": 32, "max_model_len": 4096}
     args.update(kw)
-    return WorkerMemory(spec or VllmSpec(shape=TINY), fast=fast,
+    return WorkerMemory(spec or VllmSpec(shape=TINY, model_runner="v1"), fast=fast,
                         emit=recorder.allocator_row if recorder is not None else None, **args)
 
 
 def test_llama_8b_on_h100_gives_the_activation_peak_and_kv_cache_vllm_logs():
     # llm-d-benchmark, vLLM 0.11 on H100 (79.18 GiB): peak 4.76 GiB, non-torch 0.13, KV 51.38 GiB
-    spec = VllmSpec(shape=LLAMA3_8B, non_torch_increase_bytes=int(0.13 * GiB), cublas_workspace_bytes=33 * MiB)
+    spec = VllmSpec(shape=LLAMA3_8B, non_torch_increase_bytes=int(0.13 * GiB), cublas_workspace_bytes=33 * MiB,
+                    model_runner="v1")
     ledger = measure_ledger(spec, total_bytes=int(79.18 * GiB), weights_bytes=int(14.99 * GiB),
                             context_bytes=int(0.61 * GiB), gpu_memory_utilization=0.9, max_num_batched_tokens=8192,
                             max_num_seqs=1024, max_model_len=16000)
@@ -94,12 +95,12 @@ def test_a_step_beyond_the_headroom_raises_a_cuda_oom_with_its_cause():
     from kvguard.producers.vllm.step_memory import Batch
 
     big_vocab = ModelShape(**{**{f: getattr(TINY, f) for f in TINY.__slots__}, "vocab_size": 128256})
-    worker = _worker(VllmSpec(shape=big_vocab))
+    worker = _worker(VllmSpec(shape=big_vocab, model_runner="v1"))
     worker.run_step(512, 1, 0)  # the same chunk without prompt logprobs fits the profiled peak
     # its 512 prompt positions with prompt logprobs: logits and an fp32 log-softmax over 128k (vLLM #5907)
     batch = Batch((512,), (512,), sampling="top_p", prompt_lens=(2000,), prompt_logprobs_tokens=(512,))
     with pytest.raises(StepOOM) as info:
         worker.run_step(512, 1, 1, batch=batch)
-    assert info.value.cause is OomCause.PEAK
+    assert info.value.cause is OomCause.PROMPT_LOGPROBS and info.value.error.cause == "peak"
     error = info.value.error
     assert error.reserved_unallocated_bytes < error.rounded_bytes
