@@ -499,7 +499,7 @@ def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ti
     # vLLM-engine runs keep the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0): its unchunked prompt
     # logprobs are the OOM regime these presets and the shipped models were built on; 0.33's default
     # runner computes them 1024 positions at a time and rarely OOMs there (docs/NODE_MEMORY.md)
-    runner = "v1" if load_profile(spec.profile).engine == "vllm" else None
+    runner = "v1" if engine_kind(load_profile(spec.profile)).takes_knobs else None
     knobs = EngineKnobs(gpu_memory_utilization=spec.gpu_memory_utilization, model_runner=runner)
     profile = load_profile(spec.profile, knobs=knobs)
     workload = load_workload(spec.workload, rate_scale=spec.rate_scale, window=spec.duration_s, seed=spec.seed,

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvguard.config.settings import Settings
 from kvguard.contracts.units import NS_PER_S
+from kvguard.producers.sim.bench_serve import ClosedLoopClient
 from kvguard.producers.sim.profiles import EngineKnobs, ProfileError, prompt_cap_tokens
 from kvguard.producers.sim.registry import engine_kind
 from kvguard.producers.sim.vllm.engine import RETRYABLE_REASONS
@@ -142,8 +143,6 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
 def _run_closed_loop(fleet, wl, profile, bench, max_concurrency, duration_s, events_out, progress, knobs, seed,
                      gpus, prompt_logprobs_frac, logprobs_guard, flush_s) -> dict:
     """``vllm bench serve``'s client over the fleet (``producers.sim.bench_serve``)."""
-    from kvguard.producers.sim.bench_serve import ClosedLoopClient
-
     limit = bench.max_concurrency if bench is not None else max_concurrency
     client = ClosedLoopClient(fleet, wl, limit)
     sink = _LogSink(events_out, {"workload": wl.name, "profile": profile.name, "gpus": gpus, "seed": seed,

@@ -3,7 +3,8 @@ GPUs down while their engine restarts, a producer restart (a new epoch whose clo
 a seq gap (the node unsynced until its next snapshot with state).
 
 Prompt logprobs on 30 % of the requests at ``--gpu-memory-utilization 0.95`` make the sampler's
-logits outgrow what vLLM's profiling run left (issue 27's run, compressed): each GPU meets its
+logits outgrow what vLLM's profiling run left on the V1 model runner (issue 27's run, compressed;
+Model Runner V2 computes them 1,024 positions at a time): each GPU meets its
 first allocator OOM within the first minute."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def vllm_run(seed: int, *, seconds: int = SECONDS, gpus: int = GPUS) -> list[Eve
     from kvguard.producers.sim.vllm.engine import VllmEngineConfig
     from kvguard.producers.sim.workloads import load_workload
 
-    profile = load_profile(None, knobs=EngineKnobs(gpu_memory_utilization=0.95))
+    profile = load_profile(None, knobs=EngineKnobs(gpu_memory_utilization=0.95, model_runner="v1"))
     fleet = Fleet(gpus, profile, seed=seed, config=VllmEngineConfig(prompt_logprobs_frac=0.3))
     fleet.submit_workload(load_workload("azure-conv", window=seconds, seed=seed,
                                         max_prompt_tokens=prompt_cap_tokens(profile)))

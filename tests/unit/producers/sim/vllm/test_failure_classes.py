@@ -66,11 +66,12 @@ def test_before_chunked_verification_the_warmup_upcast_is_the_4_12_gib_of_vllm_p
     during warmup": warmup_kernels' decode step verifies 910 requests x 8 rows, fp32, in one piece
     (0.33 chunks it at 2**30 bytes). The draft here is a dense Qwen3-0.6B, not DFlash's drafter."""
     from kvguard.producers.sim.profiles import EngineKnobs, profile_from_dict
+    from kvguard.producers.sim.registry import apply_knobs
 
     d = EngineArgs(QWEN8, gpu="h100-80gb", gpu_memory_utilization=0.97, speculative_model_config=QWEN06,
                    num_speculative_tokens=7).profile_dict()
     with pytest.raises(ProfileError, match=r"Tried to allocate 4\.12 GiB"):
-        profile_from_dict("pr48641", EngineKnobs(rejection_chunk_bytes=0).apply("pr48641", d))
+        profile_from_dict("pr48641", apply_knobs("pr48641", d, EngineKnobs(rejection_chunk_bytes=0)))
     assert profile_from_dict("chunked", d).memory.warmup_reqs == 910
 
 
