@@ -40,6 +40,8 @@ def node(
     gpu_memory_utilization: float = typer.Option(
         None, "--gpu-memory-utilization", min=0.01, max=1.0,
         help="Engines that take vLLM's start-up knobs: the operator's setting (default: the profile's)."),
+    model_runner: str = typer.Option(None, "--model-runner", help="vLLM profiles: v2 (vLLM 0.33's default) or v1 "
+                                     "(VLLM_USE_V2_MODEL_RUNNER=0)."),
     prompt_logprobs_frac: float = typer.Option(
         0.0, "--prompt-logprobs-frac", min=0.0, max=1.0,
         help="Engines with a sampler: share of requests asking for prompt logprobs (eval traffic)."),
@@ -67,7 +69,8 @@ def node(
     try:
         settings = Settings.load(config)
         kind = engine_kind(load_profile(profile))
-        knobs = EngineKnobs(gpu_memory_utilization=gpu_memory_utilization) if gpu_memory_utilization else None
+        knobs = EngineKnobs(gpu_memory_utilization=gpu_memory_utilization, model_runner=model_runner) \
+            if gpu_memory_utilization or model_runner else None
         node_config = kind.node_config(prompt_logprobs_frac=prompt_logprobs_frac) if prompt_logprobs_frac else None
         graph = bootstrap(settings, profile=profile, knobs=knobs, node_config=node_config, predictor=None,
                           require_secret=not no_actuator, insecure_dev=insecure_dev)

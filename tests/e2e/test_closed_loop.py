@@ -32,6 +32,9 @@ KAFKA_WORKLOAD = ("mixed", 2.75, 450.0)
 PROFILE = "llama3-8b-24gb-vllm"  # the vLLM-faithful engine
 GPU_MEMORY_UTILIZATION = 0.95  # the operator's knob (the demo's)
 PROMPT_LOGPROBS_FRAC = 0.05  # eval traffic (the demo's)
+# vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0) makes a whole chunk of prompt logits at once, the
+# OOMs this loop is built to stop; 0.33's default runner computes them 1,024 positions at a time
+MODEL_RUNNER = "v1"
 SPEED = 15.0  # simulated seconds per wall second
 
 
@@ -41,7 +44,8 @@ def operator_graph():
     from kvguard.producers.sim.vllm.engine import VllmEngineConfig
     from kvguard.runtime.bootstrap import bootstrap
 
-    return bootstrap(predictor=None, profile=PROFILE, knobs=EngineKnobs(gpu_memory_utilization=GPU_MEMORY_UTILIZATION),
+    return bootstrap(predictor=None, profile=PROFILE, knobs=EngineKnobs(gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+                                                                  model_runner=MODEL_RUNNER),
                      node_config=VllmEngineConfig(prompt_logprobs_frac=PROMPT_LOGPROBS_FRAC))
 
 
@@ -111,7 +115,7 @@ def test_policy_over_kafka_executes_commands_and_prevents_ooms(kafka_settings, r
         node = subprocess.run(
             [sys.executable, "-c", "from kvguard.cli import main; main()", "node", "--gpus", str(GPUS),
              "--profile", PROFILE, "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION),
-             "--prompt-logprobs-frac", str(PROMPT_LOGPROBS_FRAC),
+             "--prompt-logprobs-frac", str(PROMPT_LOGPROBS_FRAC), "--model-runner", MODEL_RUNNER,
              "--workload", name, "--rate-scale", str(rate), "--duration", f"{duration_s:g}s",
              "--speed", str(SPEED), "--bus", bus, "--journal-dir", str(tmp_path / "journal"), "--json",
              "--config", str(config)],
