@@ -203,8 +203,13 @@ class Actuator:
                          units_moved=result.units_moved, targets_done=result.targets_done,
                          targets_noop=result.targets_noop, errors=result.errors)
 
-    def handle_record(self, value: Mapping[str, Any] | bytes, now_ns: int) -> Ack | None:
-        """Decode and handle; a malformed command is counted and logged (None: nothing to ack)."""
+    def handle_record(self, value: Mapping[str, Any] | bytes | None, now_ns: int) -> Ack | None:
+        """Decode and handle; a malformed command (a tombstone's None included) is counted and
+        logged (None: nothing to ack)."""
+        if value is None:
+            self.counters.malformed += 1
+            log.warning("actuator %s: a command record with a null value (a tombstone): skipped", self.node)
+            return None
         try:
             command = Command.from_bytes(value) if isinstance(value, (bytes, bytearray)) else Command.from_dict(value)
         except CommandError as err:

@@ -25,6 +25,7 @@ from kvguard.actuators.actuator import Actuator, AppliedJournal
 from kvguard.actuators.executor import Executor
 from kvguard.bus.base import Bus
 from kvguard.bus.inproc import InprocBus
+from kvguard.config.hmac_secret import secret_problem
 from kvguard.config.settings import Settings
 from kvguard.contracts.commands import Mode
 from kvguard.policy.budget import BudgetConfig, BudgetLedger, MemoryBudgetLedger
@@ -44,15 +45,6 @@ from kvguard.streams.predictor import ModelError, Predictor
 from kvguard.streams.tick_model import TickModelPredictor
 
 log = logging.getLogger(__name__)
-
-MIN_SECRET_BYTES = 32
-# placeholders seen in examples, compose files and manifests (compared case-insensitively)
-PLACEHOLDER_SECRETS = frozenset({
-    "x", "xx", "xxx", "secret", "changeme", "change-me", "change_me", "change-me-dev-only", "replace-me",
-    "replace_me", "replaceme", "dev", "test", "password", "hmac", "hmac-secret", "kvguard", "default",
-    "example", "todo", "...", "…",
-})
-
 
 class BootstrapError(ValueError):
     """A setting needed to build the graph is missing or wrong; ``field`` names it."""
@@ -266,17 +258,6 @@ def make_bus(settings: Any, bus_url: str | None):
 
     kafka = settings.kafka.model_copy(update={"bootstrap": bus_url[len("kafka://"):]})
     return KafkaBus(kafka)
-
-
-def secret_problem(text: str) -> str | None:
-    """Why ``text`` is no HMAC secret to share between processes, or None."""
-    if text.strip().lower() in PLACEHOLDER_SECRETS:
-        return f"is a placeholder ({text!r})"
-    if len(text.encode()) < MIN_SECRET_BYTES:
-        return f"is {len(text.encode())} bytes, shorter than {MIN_SECRET_BYTES}"
-    if len(set(text)) < 4:
-        return "repeats too few characters to be random"
-    return None
 
 
 def shared_secret(settings: Any) -> bytes:

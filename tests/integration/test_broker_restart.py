@@ -5,11 +5,15 @@ stream. The memory-only test broker starts over empty, its offsets from 0: a con
 position lies inside the re-sent records skips those before it. Such a loss is detected, never
 silent: each run of missing batches is a seq gap of its node, counted, the mirror unsynced (so is
 a batch the publisher re-sent after a later one).
-A broker that keeps its log (any real one) loses nothing."""
+A broker that keeps its log (any real one) loses nothing.
+
+Issue 28: a broker that comes back without its topics (re-created a moment later) loses no batch
+of the publisher; a Faust worker lives through a broker that lost its data and resyncs."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -17,7 +21,7 @@ from kvguard.bus.kafka import KafkaBus
 from kvguard.producers.publisher import NodePublisher
 from kvguard.streams.core import StreamCore
 from kvguard.wire.schemas import decode_batch
-from tests.integration.bus_helpers import fleet_event_log
+from tests.integration.bus_helpers import consume, fleet_event_log
 from tests.integration.test_publisher import TOPIC, FeedSource, broker_settings, wait_for
 
 pytestmark = pytest.mark.integration
@@ -108,3 +112,112 @@ async def test_a_broker_restart_loses_and_duplicates_nothing_downstream_or_says_
     if not any(st.gaps for st in nodes.values()):
         assert tick_keys(worker.ticks) == tick_keys(expected)  # and none: the clean stream's ticks
     assert worker.core.counters.batches_rejected == 0 and worker.core.counters.batches_failed == 0
+
+
+async def test_a_broker_that_comes_back_without_its_topics_loses_no_batch(tansu_broker):
+    """A wiped broker whose topic an operator creates again (`kvguard topics create`) while the node
+    publishes: Tansu takes sends to the missing topic, then answers them with UNKNOWN_SERVER_ERROR
+    (code -1) for a second or two after the creation, which aiokafka marks not retriable. The
+    publisher retries it (only a record too large for the broker is refused for good), so every
+    batch sent after the wipe arrives."""
+    broker = tansu_broker()
+    broker.create_topics({TOPIC: 3})
+    settings = broker_settings(broker.bootstrap)
+    batches = fleet_event_log(n_gpus=2, seconds=90, step_s=5)
+    third = len(batches) // 3
+    bus = KafkaBus(settings)
+    await bus.start()
+    source = FeedSource()
+    publisher = NodePublisher(bus, TOPIC, source, flush_interval_s=0.02, retry_backoff_s=(0.05, 0.5))
+    publishing = asyncio.create_task(publisher.run())
+    try:
+        source.feed(batches[:third])
+        await wait_for(lambda: not source.pending and publisher.buffered == 0, "the first third to be delivered")
+        broker.stop()
+        topics, broker.topics = broker.topics, {}
+        broker.start()  # empty, and without the topic
+        source.feed(batches[third:2 * third])
+        await wait_for(lambda: not source.pending and publisher.buffered == 0, "sends to the missing topic")
+        broker.create_topics(topics)  # the operator provisions it again
+        source.feed(batches[2 * third:])
+        await wait_for(lambda: not source.pending and publisher.buffered == 0, "the backlog to drain")
+        reader = bus.subscribe([TOPIC], "after")
+        records = await consume(reader, len(batches) - third)
+    finally:
+        publisher.stop()
+        await asyncio.wait_for(publishing, 30)
+        await bus.stop()
+    assert publisher.counters.batches_refused == 0 and publisher.counters.batches_dropped == 0
+    got = {(b.node, b.seq) for b in map(decode_batch, (r.value for r in records))}
+    assert got == {(b.node, b.seq) for b in batches[third:]}  # every batch sent after the wipe arrived
+
+
+def private_settings(broker, app_id: str):
+    """Settings on a private broker, every topic the worker needs remembered by the rig, so a
+    restart of the memory-only broker comes back with them (as a re-provisioned cluster would)."""
+    from kvguard.config.settings import TOPIC_KINDS, Settings
+    from kvguard.streams.app import internal_topics
+    from tests.conftest import fast_group_options
+
+    settings = Settings(kafka={"bootstrap": broker.bootstrap, "client_id": "restart-test", **fast_group_options()},
+                        topics={"prefix": "r.", **{kind: {"partitions": 3} for kind in TOPIC_KINDS}})
+    topics = {name: spec.partitions for name, spec in settings.topics.all().items()}
+    topics.update({name: partitions for name, (partitions, _) in internal_topics(settings, app_id).items()})
+    broker.create_topics(topics)
+    return settings
+
+
+async def test_the_worker_lives_through_a_broker_that_lost_its_data_and_resyncs(tansu_broker, tmp_path):
+    """A stream worker that once recovered from its changelog, then the broker loses everything
+    (memory-only Tansu restarted): Faust would stop it with ConsistencyError. It logs the loss,
+    rebuilds its offsets and checkpoints, and every node's ticks go on, synced again from the
+    node's next snapshot."""
+    import uuid
+
+    from tests.integration.streams_helpers import (
+        OutputReader,
+        WorkerProcess,
+        expected_records,
+        publish_batches,
+        shadow_log,
+    )
+
+    broker = tansu_broker()
+    app = f"kvg-{uuid.uuid4().hex[:8]}"
+    settings = private_settings(broker, app)
+    batches = shadow_log(n_gpus=3, seconds=150)
+    third = len(batches) // 3
+    expected, _ = expected_records(batches)
+    last_ts = {}
+    for node, ts in expected:
+        last_ts[node] = max(ts, last_ts.get(node, 0))
+    worker = WorkerProcess(settings, app, tmp_path, checkpoint_every_ticks=2)
+    try:
+        async with OutputReader(settings, "before") as out:
+            await publish_batches(settings, batches[:third])
+            worker.start()
+            first = len(expected_records(batches[:third])[0])
+            await out.until(lambda o: len(o.of("metrics")) >= first, what="the first ticks")
+            await asyncio.sleep(3.5)  # past Faust's commit interval: the changelog holds checkpoints
+            worker.kill()
+            worker.start()  # recovers from the changelog: it has read offsets the broker will lose
+            await publish_batches(settings, batches[third:2 * third])
+            await out.until(lambda o: "restored from the changelog" in worker.log_text()
+                            and len(o.of("metrics")) >= len(expected_records(batches[:2 * third])[0]),
+                            what="the restored worker's ticks")
+        broker.stop()
+        broker.start()  # same port, nothing kept: every topic empty, every offset from 0
+        await publish_batches(settings, batches[2 * third:])
+        async with OutputReader(settings, "after") as out:
+            await out.until(lambda o: {json.loads(r.value)["node"]: json.loads(r.value)["ts_ns"]
+                                       for r in o.of("metrics")} == last_ts, limit_s=90,
+                            what="every node's last tick after the broker lost its data")
+        ticks = [json.loads(r.value) for r in out.of("metrics")]
+    finally:
+        alive = worker.proc is not None and worker.proc.poll() is None
+        log_text = worker.log_text()
+        worker.stop()
+    assert alive, log_text[-3000:]
+    assert "ConsistencyError" not in log_text and "started over" in log_text
+    for node, ts in last_ts.items():  # resynced: the node's last tick is the clean run's
+        assert next(t for t in ticks if t["node"] == node and t["ts_ns"] == ts) == expected[(node, ts)], node
