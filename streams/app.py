@@ -317,13 +317,14 @@ class StreamsWorker:
 
     async def _handle_batch(self, batch, message, value, headers, ticks, alerts, due) -> None:
         node = batch.node
+        moved = self.partition_of.get(node, message.partition) != message.partition  # the topic was resized
         self.partition_of[node] = message.partition
         self.seen_at.pop(node, None)
         self.seen_at[node] = self.clock()
         st = self.core.nodes.get(node)
         if st is None:
             st = self.restore(node)
-        if self._log_went_back(st, batch, message.offset):
+        if not moved and self._log_went_back(st, batch, message.offset):
             self.rebuild_offsets(message.partition, node, batch, message.offset)
         if self._missed_batches(st, batch):
             await self._fill_gap(node, st, batch, message, ticks, alerts, due)

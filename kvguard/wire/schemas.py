@@ -9,7 +9,7 @@ consumers send them to the DLQ (``kvguard.bus.dlq``) and keep going. A record wi
 (a Kafka tombstone) is ``tombstone``, an empty one ``malformed``: no kvguard topic carries either.
 
 Node ids are bounded where they enter (``NodeId``, the rule in ``kvguard.contracts.node_id``): at
-most 63 characters of letters, digits and ``-_./:``; a record naming any other node is ``invalid``.
+most 48 characters of letters, digits and ``-_./:``; a record naming any other node is ``invalid``.
 A DLQ record is bounded whatever it carries (``DlqRecord.of``: a large value travels as its size,
 SHA-256 and a prefix), so the DLQ takes every bad record under the default 1 MiB broker limit.
 
@@ -544,8 +544,8 @@ def decode(kind: str, value: bytes | bytearray | memoryview | None, headers: Any
     """Bytes of a ``kind`` record -> its model. ``headers`` (Kafka header pairs) are checked when given.
 
     Raises ``DecodeError`` with reason ``tombstone`` (a null value), ``malformed`` (empty, or not
-    a JSON object), ``wrong_type`` (the
-    ``ce_type`` header names another kind), ``unknown_major`` (header or payload) or ``invalid``
+    a JSON object), ``wrong_type`` (the ``ce_type`` header names another kind), ``unknown_major``
+    (header or payload) or ``invalid``
     (the schema, or the contents: ``kvguard.wire.validate``, with ``limits`` as its caps;
     ``check=False`` skips the contents, for the codec alone).
     """
