@@ -102,11 +102,30 @@ class AppliedJournal:
         return len(stale)
 
     def _load(self, path: Path) -> None:
-        for line in path.read_text(encoding="ascii", errors="replace").splitlines():
-            parts = line.split()
-            if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
-                continue  # a torn write at the end of the file
-            self._expires[parts[0]] = int(parts[1])
+        with open(path, encoding="ascii", errors="replace") as fh:
+            for line in _bounded_lines(fh, JOURNAL_LINE_CHARS):
+                self._load_line(line)
+
+    def _load_line(self, line: str) -> None:
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
+            return  # a torn write at the end of the file
+        self._expires[parts[0]] = int(parts[1])
+
+
+# a journal line is "<command id> <expires_at_ns>"; no command id comes near this, so a longer line is
+# damage (skipped like a torn one), and reading stops at the bound instead of holding the whole line
+JOURNAL_LINE_CHARS = 64 * 1024
+
+
+def _bounded_lines(fh, limit: int):
+    """The lines of ``fh`` of at most ``limit`` characters; longer ones are skipped, read in pieces."""
+    while line := fh.readline(limit + 1):
+        if len(line) <= limit:
+            yield line
+            continue
+        while line and not line.endswith("\n"):
+            line = fh.readline(limit + 1)
 
 
 @dataclass(slots=True)
@@ -216,8 +235,13 @@ class Actuator:
                          units_moved=result.units_moved, targets_done=result.targets_done,
                          targets_noop=result.targets_noop, errors=result.errors)
 
-    def handle_record(self, value: Mapping[str, Any] | bytes, now_ns: int) -> Ack | None:
-        """Decode and handle; a malformed command is counted and logged (None: nothing to ack)."""
+    def handle_record(self, value: Mapping[str, Any] | bytes | None, now_ns: int) -> Ack | None:
+        """Decode and handle; a malformed command (a tombstone's None included) is counted and
+        logged (None: nothing to ack)."""
+        if value is None:
+            self.counters.malformed += 1
+            log.warning("actuator %s: a command record with a null value (a tombstone): skipped", self.node)
+            return None
         try:
             command = Command.from_bytes(value) if isinstance(value, (bytes, bytearray)) else Command.from_dict(value)
         except CommandError as err:

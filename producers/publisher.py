@@ -21,9 +21,13 @@ The broker takes records up to ``max_message_bytes`` (Kafka's ``message.max.byte
 batches that fit (``split_batch``: the state goes with the piece holding the last SNAPSHOT row);
 the node's later batches are renumbered after them so its ``seq`` stays contiguous. A piece that
 still cannot fit (one event, or a ``PoolState`` dump alone over the limit) is dropped and counted
-(``batches_oversized``), and so is a record the broker refuses for good (an error that is not
-``retriable``, counted in ``batches_refused``): the consumer sees the seq gap and resynchronises on
-the next SNAPSHOT; nothing is retried forever. The drainer polls the source every
+(``batches_oversized``), and so is a record the broker refuses for good (a record too large for it,
+``kvguard.bus.base.refused_for_good``; counted in ``batches_refused``): the consumer sees the seq gap
+and resynchronises on the next SNAPSHOT. Every other failed delivery is retried, whatever the
+client calls it: aiokafka marks most broker errors not ``retriable`` (``UnknownError`` included,
+which Tansu answers while a wiped broker's topic is re-created), and dropping on that lost batches
+a retry would have delivered. A record retried for long is bounded by the buffer: past
+``max_buffered_*`` the oldest batches are dropped and counted. The drainer polls the source every
 ``flush_interval_s``, sooner only while the source hands over more than ``max_batch_events`` at
 a time: a full buffer (a broker outage) does not make it spin.
 """
@@ -40,7 +44,7 @@ from itertools import pairwise
 
 import numpy as np
 
-from kvguard.bus.base import Bus, BusClosed
+from kvguard.bus.base import Bus, BusClosed, refused_for_good
 from kvguard.contracts.events import EventBatch, EventKind
 from kvguard.wire.schemas import batch_headers, encode_batch
 
@@ -234,8 +238,8 @@ class NodePublisher:
         results = await asyncio.gather(*(f for _, _, f in futures), return_exceptions=True)
         for (entry_id, entry, _), result in zip(futures, results):
             entry.in_flight = False
-            if isinstance(result, BaseException) and getattr(result, "retriable", True) is False:
-                # the broker will never take it (e.g. MessageSizeTooLargeError): drop, do not retry forever
+            if isinstance(result, BaseException) and refused_for_good(result):
+                # the broker will never take it (MessageSizeTooLargeError): drop, do not retry forever
                 self._remove(entry_id)
                 self.counters.batches_refused += 1
                 self.counters.events_refused += entry.events

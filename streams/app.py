@@ -29,11 +29,24 @@ Hostile input: records are decoded with the semantic checks of ``kvguard.wire.va
 key must name their node; the core rejects batches that do not fit the node's region or jump too
 far in epoch. Every record is handled on its own: one that fails those checks, or whose handling
 raises, goes to ``kvguard.dlq`` with the reason (counted, logged) and the chunk goes on, so its
-offset is committed past it and the rest of the chunk is produced. Per-node state is bounded:
+offset is committed past it and the rest of the chunk is produced. That holds for a record with a
+null value (a tombstone: reason ``tombstone``, counted in ``counters.tombstones``), an empty one
+and one of any size (the DLQ record is bounded, ``DlqRecord.of``); dead-lettering never raises,
+so no record can crash the agent and lose the ticks of the chunk it was in. Per-node state is bounded:
 the core evicts the least recently seen node past ``streams.max_nodes``, and the worker evicts
 nodes without batches for ``streams.node_idle_timeout_s`` of wall time; an evicted node's
 checkpoint is deleted from the table (a tombstone on the changelog), so its next batch starts it
 over.
+
+A broker that loses its data (a memory-only broker restarted, a cluster rebuilt) starts every
+partition over at offset 0 while the worker runs. Faust's own check would stop the worker (its
+``ConsistencyError``: the changelog's end below what the process read); it is off, since the
+memory store holds only what this process read and wrote. The worker sees the loss on the events
+log instead (a node's new batch at or below the offset of its last applied one, which cannot
+happen on a broker that keeps its log), logs it, and rebuilds what referred to the old log
+(``StreamsWorker.rebuild_offsets``): offsets are dropped, checkpoints are written again at the
+nodes' next batches, and a node whose batches were lost, or whose state came back from an older
+checkpoint, is unsynced until its next SNAPSHOT.
 
 Idle nodes. A tick is emitted when the node's next batch crosses its boundary, so the last
 interval of a node that stops sending (a dying GPU, its OOM in that interval) would wait for a
@@ -76,7 +89,7 @@ from kvguard.bus.idle import IdleSweep
 from kvguard.streams.core import NodeState, StreamConfig, StreamCore
 from kvguard.streams.outputs import output_records
 from kvguard.streams.predictor import Predictor
-from kvguard.wire.schemas import DecodeError, DlqRecord, decode_batch, make_headers
+from kvguard.wire.schemas import DecodeError, DlqRecord, decode_batch, dlq_key, make_headers
 from kvguard.wire.validate import InvalidRecord, check_key
 
 log = logging.getLogger(__name__)
@@ -164,10 +177,12 @@ class WorkerCounters:
     ticks: int = 0
     alerts: int = 0
     dead_lettered: int = 0
+    tombstones: int = 0  # records with a null value (dead-lettered as "tombstone")
     checkpoints: int = 0
     nodes_restored: int = 0
     nodes_dropped: int = 0
     gap_fills: int = 0
+    log_rebuilds: int = 0  # events partitions that started over under the worker (a broker lost its data)
     rejected: int = 0  # batches the core did not apply (dead-lettered)
     errors: int = 0  # records whose handling raised (dead-lettered)
     nodes_evicted: int = 0  # by the core's cap or the idle timeout (checkpoint deleted)
@@ -243,6 +258,13 @@ class StreamsWorker:
             except InvalidRecord as exc:
                 await self.dead_letter(message, value, headers, "invalid", exc.detail)
                 continue
+            except Exception as err:  # a decoder bug must not stop the worker either
+                self.counters.errors += 1
+                log.error("decoding %s/%d@%d raised %s: %s; dead-lettered, going on", message.topic,
+                          message.partition, message.offset, type(err).__name__, err, exc_info=err)
+                await self.dead_letter(message, value, headers, "processing_error",
+                                       f"decoding raised {type(err).__name__}: {err}")
+                continue
             try:
                 await self._handle_batch(batch, message, value, headers, ticks, alerts, due)
             except Exception as err:  # one poison record must not stop the worker
@@ -306,11 +328,14 @@ class StreamsWorker:
 
     async def _handle_batch(self, batch, message, value, headers, ticks, alerts, due) -> None:
         node = batch.node
+        moved = self.partition_of.get(node, message.partition) != message.partition  # the topic was resized
         self.partition_of[node] = message.partition
         self.idle_sweep.seen(node, self.clock())
         st = self.core.nodes.get(node)
         if st is None:
             st = self.restore(node)
+        if not moved and self._log_went_back(st, batch, message.offset):
+            self.rebuild_offsets(message.partition, node, batch, message.offset)
         if self._missed_batches(st, batch):
             await self._fill_gap(node, st, batch, message, ticks, alerts, due)
         duplicates = st.duplicates
@@ -398,6 +423,41 @@ class StreamsWorker:
         if n >= self.checkpoint_every_ticks or node not in self.checkpointed:
             due[node] = partition
 
+    def _log_went_back(self, st: NodeState, batch, offset: int) -> bool:
+        """A batch new to its node at or below the offset of the node's last applied batch.
+
+        A partition's offsets only grow on a broker that keeps its log, and a node's batches grow
+        with them (one partition, in order); a redelivery comes back with its old seq. A new seq at
+        an old offset means the events log started over: the broker lost its data (a memory-only
+        broker restarted, a cluster rebuilt)."""
+        last = self.last_offset.get(batch.node)
+        if last is None or offset > last or st.epoch is None:
+            return False
+        return batch.epoch > st.epoch or (batch.epoch == st.epoch and batch.seq > st.seq)
+
+    def rebuild_offsets(self, partition: int, node: str, batch, offset: int) -> list[str]:
+        """The broker lost events partition ``partition`` (``_log_went_back``): the offsets the worker
+        holds for its nodes, and the checkpoints that carry them, refer to a log that is gone.
+
+        The nodes keep the state they have (it is what their batches made, none of it is wrong);
+        their offsets are dropped, so no gap is read back from the new log, and their checkpoints
+        are written again, with offsets of the new log, at their next batch. A node whose batches
+        were lost with the broker shows a seq gap and is unsynced until its next SNAPSHOT (the
+        core's resync), and so is a node this worker holds only in an old checkpoint. Returns the
+        nodes of the partition."""
+        nodes = [n for n, p in self.partition_of.items() if p == partition]
+        for other in nodes:
+            self.last_offset.pop(other, None)
+            self.checkpointed.discard(other)
+            self.ticks_since_checkpoint[other] = 0
+        self.counters.log_rebuilds += 1
+        log.warning("events partition %d started over: node %s's batch epoch %d seq %d is at offset %d, at or "
+                    "below its last applied batch's. The broker lost its data (a memory-only or rebuilt broker): "
+                    "the offsets and checkpoints of %d node(s) of the partition are rebuilt from their next batches, "
+                    "and a node whose batches were lost resyncs from its next snapshot",
+                    partition, node, batch.epoch, batch.seq, offset, len(nodes))
+        return nodes
+
     def _missed_batches(self, st: NodeState, batch) -> bool:
         """Batches of this node missing before ``batch`` that the events topic may still hold."""
         return (st.epoch is not None and batch.epoch == st.epoch and batch.seq > st.seq + 1
@@ -458,17 +518,20 @@ class StreamsWorker:
             self.idle_sweep.forget(node)
             self.counters.nodes_dropped += 1
 
-    async def dead_letter(self, message, value: bytes, headers, reason: str, detail: str) -> None:
-
+    async def dead_letter(self, message, value: bytes | None, headers, reason: str, detail: str) -> None:
+        """Send one record to the DLQ, bounded (``DlqRecord.of``); never raises: a failure is
+        counted and logged, so no record can stop the agent."""
         self.counters.dead_lettered += 1
-        record = DlqRecord.of(reason=reason, detail=detail, topic=message.topic, partition=message.partition,
-                              offset=message.offset, key=message.key, value=value, headers=headers,
-                              group=self.app_id, component="streams", dead_lettered_at_ns=time.time_ns())
+        if reason == "tombstone":
+            self.counters.tombstones += 1
         log.warning("dead-lettered %s/%d@%d: %s: %s", message.topic, message.partition, message.offset,
-                    reason, detail)
+                    reason, detail[:300])
         try:
+            record = DlqRecord.of(reason=reason, detail=detail, topic=message.topic, partition=message.partition,
+                                  offset=message.offset, key=message.key, value=value, headers=headers,
+                                  group=self.app_id, component="streams", dead_lettered_at_ns=time.time_ns())
             fut = await self.dlq_topic.send(
-                key=message.key, value=record.to_bytes(),
+                key=dlq_key(message.key), value=record.to_bytes(),
                 headers=make_headers("dlq", "kvguard-streams",
                                      record_id=f"{message.topic}/{message.partition}/{message.offset}"))
             await fut
@@ -626,6 +689,12 @@ def build_app(settings, *, config: StreamConfig, predictor: Predictor | None = N
         stream_wait_empty=False,
         producer_linger=kafka.linger_ms / 1000,
         processing_guarantee="at_least_once",
+        # Faust's check compares the changelog offsets this process read with the changelog's end on
+        # the broker and crashes the worker when a broker that lost its data reports a lower end. It
+        # guards a RocksDB store outliving its topic; the memory store lives and dies with the process,
+        # so the table it holds is what the process read and wrote. The worker sees the loss itself,
+        # on the events log, and rebuilds its offsets and checkpoints (StreamsWorker.rebuild_offsets).
+        recovery_consistency_check=False,
     )
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
     events = app.topic(settings.topics.name("events"), partitions=events_partitions, **raw)

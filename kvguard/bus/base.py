@@ -44,6 +44,19 @@ class BusClosed(BusError):
     """The bus or subscription was stopped."""
 
 
+# Kafka protocol error codes that refuse the record itself (org.apache.kafka.common.protocol.Errors:
+# 10 MESSAGE_TOO_LARGE, 18 RECORD_LIST_TOO_LARGE): sending it again cannot succeed. Any other
+# failure may pass (a broker restarting; a topic being re-created, which Tansu answers with the
+# UNKNOWN_SERVER_ERROR code -1 meanwhile), so it is worth retrying.
+RECORD_REFUSED_CODES = frozenset({10, 18})
+
+
+def refused_for_good(error: BaseException) -> bool:
+    """True when ``error`` (a failed delivery) refuses the record itself; read from the Kafka error
+    code the client puts on it (aiokafka's ``errno``), so no client is imported here."""
+    return getattr(error, "errno", None) in RECORD_REFUSED_CODES
+
+
 @dataclass(slots=True, frozen=True)
 class Delivery:
     topic: str
@@ -57,7 +70,7 @@ class Record:
     partition: int
     offset: int
     key: bytes | None
-    value: bytes
+    value: bytes | None  # None: a tombstone (a record with a null value); consumers must expect one
     headers: Headers = ()
     timestamp_ms: int = 0
     _committer: Callable[["Record"], Awaitable[None]] | None = field(default=None, repr=False, compare=False)

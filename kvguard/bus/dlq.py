@@ -11,9 +11,15 @@
 
 Decoding includes the semantic checks of ``kvguard.wire.validate`` (caps from ``limits``) and,
 for records keyed by node, that the key names the record's node: a failure is dead-lettered as
-``invalid`` with the reason. A record that decoded but made its handler raise is dead-lettered
-by the consumer through ``handler_failed(record, error)`` (counted, logged, reason
-``processing_error``), so one poison record never stops a service or stalls its partition.
+``invalid`` with the reason. A record with a null value (a tombstone) is dead-lettered as
+``tombstone``, an empty one as ``malformed``. A record that decoded but made its handler raise is
+dead-lettered by the consumer through ``handler_failed(record, error)`` (counted, logged, reason
+``processing_error``), and so is one whose decoding raised anything but a ``DecodeError``: one
+poison record never stops a service or stalls its partition.
+
+The DLQ record is bounded whatever the record held (``DlqRecord.of``: a value over 256 KiB travels
+as its size, SHA-256 and first 4 KiB), so it fits the broker's default 1 MiB limit and a bad
+record of any size reaches the DLQ.
 
 Every path is counted in ``decoder.counters``: ``received``, ``decoded``, ``dead_lettered``
 (per reason, ``processing_error`` for handlers that raised) and ``dlq_failed`` (the DLQ itself could not take the record: it
@@ -30,7 +36,7 @@ from typing import Any
 
 from kvguard.bus.base import Bus, Record
 from kvguard.contracts.events import EventBatch
-from kvguard.wire.schemas import DecodeError, DlqRecord, EventBatchRecord, WireModel, decode, make_headers
+from kvguard.wire.schemas import DecodeError, DlqRecord, EventBatchRecord, WireModel, decode, dlq_key, make_headers
 from kvguard.wire.validate import InvalidRecord, WireLimits, check_key
 
 log = logging.getLogger(__name__)
@@ -79,6 +85,11 @@ class RecordDecoder:
         except InvalidRecord as exc:
             await self.dead_letter(record, "invalid", exc.detail)
             return None
+        except Exception as exc:  # a decoder bug must not stop the consumer either
+            log.error("%s: decoding %s/%d@%d raised %s: %s; dead-lettered, going on", self.component, record.topic,
+                      record.partition, record.offset, type(exc).__name__, exc, exc_info=exc)
+            await self.dead_letter(record, PROCESSING_ERROR, f"decoding raised {type(exc).__name__}: {exc}")
+            return None
         self.counters.decoded += 1
         return model
 
@@ -99,15 +110,18 @@ class RecordDecoder:
         return model.to_batch()
 
     async def dead_letter(self, record: Record, reason: str, detail: str) -> None:
+        """Send ``record`` to the DLQ with ``reason``; never raises (a failure is counted and logged)."""
         self.counters.dead_lettered[reason] += 1
-        dead = DlqRecord.of(
-            reason=reason, detail=detail, topic=record.topic, partition=record.partition,
-            offset=record.offset, key=record.key, value=record.value, headers=record.headers,
-            group=self.group, component=self.component, dead_lettered_at_ns=time.time_ns(),
-        )
+        log.warning("%s: dead-lettered %s/%d@%d: %s: %s", self.component, record.topic, record.partition,
+                    record.offset, reason, detail[:300])
         try:
+            dead = DlqRecord.of(
+                reason=reason, detail=detail, topic=record.topic, partition=record.partition,
+                offset=record.offset, key=record.key, value=record.value, headers=record.headers,
+                group=self.group, component=self.component, dead_lettered_at_ns=time.time_ns(),
+            )
             future = await self.bus.publish(
-                self.dlq_topic, record.key, dead.to_bytes(),
+                self.dlq_topic, dlq_key(record.key), dead.to_bytes(),
                 make_headers("dlq", self.component, record_id=f"{record.topic}/{record.partition}/{record.offset}"),
             )
             await future

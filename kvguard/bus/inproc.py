@@ -139,7 +139,7 @@ class InprocBus:
 
     # publish ---------------------------------------------------------------------------------
     async def publish(
-        self, topic: str, key: bytes | str | None, value: bytes, headers: Sequence[tuple[str, bytes]] = ()
+        self, topic: str, key: bytes | str | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
     ) -> "asyncio.Future[Delivery]":
         delivery = self.append(topic, key, value, headers)
         future = asyncio.get_running_loop().create_future()
@@ -147,11 +147,12 @@ class InprocBus:
         return future
 
     def append(
-        self, topic: str, key: bytes | str | None, value: bytes, headers: Sequence[tuple[str, bytes]] = ()
+        self, topic: str, key: bytes | str | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
     ) -> Delivery:
-        """Synchronous publish (the embedded runner calls it from plain code)."""
-        if not isinstance(value, (bytes, bytearray, memoryview)):
-            raise TypeError(f"value must be bytes, got {type(value).__name__}")
+        """Synchronous publish (the embedded runner calls it from plain code). A None value is a
+        tombstone, as on Kafka: consumers get a record whose value is None."""
+        if value is not None and not isinstance(value, (bytes, bytearray, memoryview)):
+            raise TypeError(f"value must be bytes or None (a tombstone), got {type(value).__name__}")
         parts = self._partitions(topic)
         key_bytes = as_key(key)
         if key_bytes is None:
@@ -160,7 +161,8 @@ class InprocBus:
             index = partition_for_key(key_bytes, len(parts))
         part = parts[index]
         offset = part.end_offset
-        part.log.append((key_bytes, bytes(value), as_headers(headers), int(time.time() * 1000)))
+        part.log.append((key_bytes, None if value is None else bytes(value), as_headers(headers),
+                         int(time.time() * 1000)))
         if len(part.log) > self.retention_records:
             part.log.popleft()
             part.base_offset += 1

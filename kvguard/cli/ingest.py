@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -103,6 +104,7 @@ def torch_snapshot(
     and alloc_allocated_bytes are the snapshot's totals. The log has no KV-cache layer (U_kv, F_ext and F_int
     are 0): a snapshot knows the caching allocator only.
     """
+    from kvguard.contracts.node_id import check_node_id
     from kvguard.producers.torch_snapshot.snapshot import SnapshotError, load_snapshot
     from kvguard.producers.torch_snapshot.to_events import busiest_device, snapshot_to_batches
     from kvguard.wire.eventlog import write_event_log
@@ -113,8 +115,14 @@ def torch_snapshot(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     device = busiest_device(snapshot) if device is None else device
-    stem = file.name.split(".")[0]
+    # the file name as a node id part: characters a node id may not hold become '-' (kvguard.contracts.node_id)
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", file.name.split(".")[0]).strip("-._")[:30] or "file"
     node = node or f"snapshot/{stem}/gpu{device}"
+    try:
+        check_node_id(node, "--node")
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     batches, summary = snapshot_to_batches(snapshot, node, device=device)
     meta = {"source": "torch-snapshot", "file": file.name, "nodes": [node], "device": device,
             "summary": summary.to_dict()}

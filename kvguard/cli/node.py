@@ -59,6 +59,7 @@ def node(
     from kvguard.cli.export import BrokerUnreachable, broker_unreachable, quiet_kafka_client
     from kvguard.cli.simulate import parse_duration
     from kvguard.config.settings import ConfigError, Settings
+    from kvguard.contracts.node_id import check_node_id
     from kvguard.producers.sim.profiles import EngineKnobs, load_profile
     from kvguard.producers.sim.registry import engine_kind
     from kvguard.producers.sim.workloads import WorkloadError
@@ -80,6 +81,11 @@ def node(
         raise typer.Exit(2) from None
     # each node process needs its own ids (and so its own actuator consumer group): from settings when set
     host = host or (settings.node.node_id.rsplit("/", 1)[0] if settings.node.node_id else "sim-0")
+    try:  # the longest id this process will name its GPUs by; consumers refuse an id past the rule
+        check_node_id(f"{host}/gpu{gpus - 1}", "--host: the node id")
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
     duration_s = parse_duration(duration)
     try:
         wl = demo_workload(graph.profile, workload=workload, rate_scale=rate_scale, duration_s=duration_s, seed=seed)

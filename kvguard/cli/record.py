@@ -98,4 +98,5 @@ def record(
         sys.stdout.write(json.dumps(summary.to_dict()) + "\n")
     else:
         console.print(f"{out}: {summary.batches} batches, {summary.events} events from {len(summary.nodes)} node(s)"
-                      + (f"; {summary.undecodable} undecodable record(s) skipped" if summary.undecodable else ""))
+                      + (f"; {summary.undecodable} undecodable record(s) skipped" if summary.undecodable else "")
+                      + (f"; {summary.tombstones} tombstone(s) skipped" if summary.tombstones else ""))

@@ -66,6 +66,10 @@ def scrape(
         raise typer.Exit(1)
 
 
+# a vLLM /metrics body is tens of KB (a histogram per engine and model); the reader stops past this
+MAX_EXPOSITION_BYTES = 16 * 1024 * 1024
+
+
 def _host_port(url: str) -> str:
     from urllib.parse import urlparse
 
@@ -84,9 +88,12 @@ async def _loop(url: str, scraper: Scraper, *, interval_s: float, timeout_s: flo
             ts_ns = time.time_ns()
             try:
                 async with session.get(url) as response:
-                    text = await response.text()
+                    body = await response.content.read(MAX_EXPOSITION_BYTES + 1)
                     if response.status != 200:
                         raise RuntimeError(f"HTTP {response.status}")
+                    if len(body) > MAX_EXPOSITION_BYTES:  # read no further: a hostile endpoint could send without end
+                        raise ValueError(f"the exposition is over {MAX_EXPOSITION_BYTES} bytes: not a vLLM /metrics")
+                    text = body.decode(response.charset or "utf-8", "replace")
                 records = scraper.scrape(text, ts_ns)
             except Exception as exc:  # noqa: BLE001 - one failed scrape is reported, the loop goes on
                 failures += 1

@@ -39,6 +39,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from kvguard.contracts.node_id import node_id_problem
+
 ENV_PREFIX = "KVGUARD_"
 ENV_CONFIG_FILE = "KVGUARD_CONFIG"
 TOPIC_KINDS: tuple[str, ...] = ("events", "metrics", "alerts", "commands", "acks", "dlq")
@@ -304,6 +306,7 @@ class BudgetSettings(_Section):
 
 
 class NodeSettings(_Section):
+    # the GPU's id on every record (kvguard.contracts.node_id: 63 characters of letters, digits, -_./:)
     node_id: str | None = None
     # how often the node publisher drains the pool: part of every decision's latency
     flush_interval_s: float = Field(0.1, gt=0)
@@ -317,6 +320,15 @@ class NodeSettings(_Section):
     command_max_ttl_s: float = Field(3600.0, gt=0)
     # the applied-command journal (one file per GPU; "~" expands); null keeps it in memory only
     journal_dir: str | None = "~/.kvguard/journal"
+
+    @field_validator("node_id")
+    @classmethod
+    def _node_id(cls, value: str | None) -> str | None:
+        # what every consumer would refuse at decode is refused here, at start
+        problem = None if value is None else node_id_problem(value)
+        if problem is not None:
+            raise ValueError(f"node id {problem}")
+        return value
 
 
 class ExportSettings(_Section):

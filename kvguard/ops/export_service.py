@@ -23,8 +23,10 @@ one replica and is forwarded once (a rebalance may replay a batch that was not y
 new owner; Alertmanager merges an alert it already has, by its labels, and the webhook may see it
 twice). Each replica serves the nodes of its partitions; Prometheus scrapes every replica.
 
-Records that cannot be decoded are counted (``kvguard_exporter_decode_errors_total``), not
-dead-lettered: the exporter only observes, and the topic's owning consumer dead-letters them.
+Records that cannot be decoded are counted (``kvguard_exporter_decode_errors_total``, by kind and
+reason: ``tombstone`` for a null value), not dead-lettered: the exporter only observes, and the
+topic's owning consumer dead-letters them. A record whose folding raises is counted the same way
+(reason ``processing_error``) and logged; no record stops the consumer.
 """
 
 from __future__ import annotations
@@ -300,10 +302,13 @@ class ExportService:
             self._decode_error(kind, exc.reason, exc.detail)
         except ExportError as exc:
             self._decode_error(kind, "invalid", str(exc))
+        except Exception as exc:  # one poison record must not stop the exporter's consumer
+            log.error("export: folding a %s record raised %s: %s", kind, type(exc).__name__, exc, exc_info=exc)
+            self._decode_error(kind, "processing_error", f"{type(exc).__name__}: {exc}")
 
     def _decode_error(self, kind: str, reason: str, detail: str) -> None:
         self.decode_errors[(kind, reason)] = self.decode_errors.get((kind, reason), 0) + 1
-        log.warning("export: %s record not exported (%s): %s", kind, reason, detail)
+        log.warning("export: %s record not exported (%s): %s", kind, reason, detail[:300])
 
     def _forward(self, alert: Alert, now_ns: int) -> None:
         if not self.sinks:

@@ -33,6 +33,7 @@ from kvguard.actuators.executor import Executor
 from kvguard.bus.base import Bus
 from kvguard.bus.inproc import InprocBus
 from kvguard.config.extras import missing_extra
+from kvguard.config.hmac_secret import secret_problem
 from kvguard.config.settings import Settings
 from kvguard.policy.budget import BudgetLedger, MemoryBudgetLedger
 from kvguard.policy.canary import Canary, CanaryConfig
@@ -63,13 +64,6 @@ __all__ = ["BootstrapError", "Graph", "bootstrap", "check_kafka_options", "engin
 
 log = logging.getLogger(__name__)
 
-MIN_SECRET_BYTES = 32
-# placeholders seen in examples, compose files and manifests (compared case-insensitively)
-PLACEHOLDER_SECRETS = frozenset({
-    "x", "xx", "xxx", "secret", "changeme", "change-me", "change_me", "change-me-dev-only", "replace-me",
-    "replace_me", "replaceme", "dev", "test", "password", "hmac", "hmac-secret", "kvguard", "default",
-    "example", "todo", "...", "…",
-})
 
 
 @dataclass(slots=True)
@@ -325,17 +319,6 @@ def check_kafka_options(settings: Settings) -> None:
 
     for section, key in unknown_client_options(settings.kafka):
         raise BootstrapError(f"kafka.{section}.{key}", f"not an aiokafka {section.split('_')[0]} option")
-
-
-def secret_problem(text: str) -> str | None:
-    """Why ``text`` is no HMAC secret to share between processes, or None."""
-    if text.strip().lower() in PLACEHOLDER_SECRETS:
-        return f"is a placeholder ({text!r})"
-    if len(text.encode()) < MIN_SECRET_BYTES:
-        return f"is {len(text.encode())} bytes, shorter than {MIN_SECRET_BYTES}"
-    if len(set(text)) < 4:
-        return "repeats too few characters to be random"
-    return None
 
 
 def shared_secret(settings: Settings) -> bytes:

@@ -5,7 +5,8 @@ group (it never commits, so it takes nothing from the fleet's own consumers), ke
 whose broker timestamp falls in ``[since, until)`` and whose node is wanted, and writes them in
 the order they were read: per node that is the producer's order, since a node's batches share a
 partition. Records that do not decode are counted and skipped (they are in the DLQ already, or
-will be, when the stream worker meets them). It stops once it has been idle for ``idle_timeout_s``
+will be, when the stream worker meets them); a record with a null value (a tombstone) is counted
+apart, in ``tombstones``. It stops once it has been idle for ``idle_timeout_s``
 (caught up with the topic) or past ``until``.
 """
 
@@ -30,6 +31,7 @@ class RecordSummary:
     skipped_time: int = 0
     skipped_node: int = 0
     undecodable: int = 0
+    tombstones: int = 0
     nodes: list[str] = field(default_factory=list)
     first_ts_ms: int | None = None
     last_ts_ms: int | None = None
@@ -70,8 +72,11 @@ async def record_events(bus: Any, settings: Any, path: str | Path, *, since_ms: 
                         continue
                     try:
                         batch = decode_batch(record.value, record.headers)
-                    except DecodeError:
-                        summary.undecodable += 1
+                    except DecodeError as err:
+                        if err.reason == "tombstone":
+                            summary.tombstones += 1
+                        else:
+                            summary.undecodable += 1
                         continue
                     if nodes and batch.node not in nodes:
                         summary.skipped_node += 1

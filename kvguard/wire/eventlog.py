@@ -5,8 +5,15 @@ Line 1: ``{"type":"header","schema":"1.0","created_by":…,"meta":{…}}``; then
 Columns are the names of ``EVENT_DTYPE``. Writing is deterministic (sorted keys, no gzip mtime), so the
 same batches give byte-identical files. Reading checks each batch's contents as the bus does
 (``kvguard.wire.validate``: known event kinds, page runs inside the node's region as its last
-geometry in the log gives it, caps): a bad line raises ``EventLogError`` naming its line, never a
-traceback further down. Pure: standard library + numpy.
+geometry in the log gives it, caps) and its node id (``kvguard.contracts.node_id``): a bad line
+raises ``EventLogError`` naming its line, never a traceback further down.
+
+Lines are bounded: a reader takes at most ``MAX_LINE_CHARS`` (64 MiB) of one line, and the header
+at most ``MAX_HEADER_CHARS`` (1 MiB), so a hostile file (a line of 400 MB of whitespace) costs a
+bounded amount of memory before it is refused; the writer refuses to write a longer line, so
+every log kvguard writes, kvguard reads. A batch line is far below the bound: a node's bus
+records are at most ``kafka.max_message_bytes`` (1 MiB), a busy simulated GPU's batch a few
+hundred KB. Pure: standard library + numpy.
 """
 
 from __future__ import annotations
@@ -19,9 +26,12 @@ from pathlib import Path
 import numpy as np
 
 from kvguard.contracts.events import COLUMNS, EVENT_DTYPE, SCHEMA_VERSION, EventBatch, Geometry, PoolState
+from kvguard.contracts.node_id import node_id_problem
 from kvguard.wire.validate import DEFAULT_LIMITS, InvalidRecord, WireLimits, check_batch
 
 CREATED_BY = "kvguard"
+MAX_LINE_CHARS = 64 * 1024 * 1024
+MAX_HEADER_CHARS = 1024 * 1024
 
 
 class EventLogError(ValueError):
@@ -49,6 +59,9 @@ def batch_to_dict(batch: EventBatch) -> dict:
 
 
 def batch_from_dict(d: dict, path: str = "<memory>", line_no: int = 0) -> EventBatch:
+    problem = node_id_problem(d.get("node"))
+    if problem is not None:
+        raise EventLogError(path, line_no, f"a batch of a node id (its node id {problem})")
     try:
         cols = d["cols"]
         n = len(cols["ts_ns"])
@@ -89,7 +102,11 @@ class EventLogWriter:
     def write(self, batch: EventBatch) -> None:
         if self._gz is None:
             raise RuntimeError("EventLogWriter.write outside its `with` block")
-        self._gz.write(_dumps(batch_to_dict(batch)))
+        line = _dumps(batch_to_dict(batch))
+        if len(line) > MAX_LINE_CHARS:  # the reader would refuse it
+            raise ValueError(f"batch seq {batch.seq} of node {batch.node!r} is a line of {len(line)} characters, "
+                             f"over the event log's {MAX_LINE_CHARS}: write it as smaller batches")
+        self._gz.write(line)
         self.batches += 1
         self.events += len(batch.events)
 
@@ -113,9 +130,12 @@ def read_event_log(path: str | Path, *, limits: WireLimits = DEFAULT_LIMITS) -> 
     path = str(path)
     try:
         fh = gzip.open(path, "rt", encoding="utf-8")
-        first = fh.readline()
+        first = fh.readline(MAX_HEADER_CHARS + 1)
     except (OSError, EOFError, UnicodeDecodeError) as e:
         raise EventLogError(path, 1, f"a gzip file of JSON lines ({e})") from None
+    if len(first) > MAX_HEADER_CHARS:
+        fh.close()
+        raise EventLogError(path, 1, f"a header line of at most {MAX_HEADER_CHARS} characters")
     try:
         header = json.loads(first)
     except json.JSONDecodeError:
@@ -134,12 +154,14 @@ def read_event_log(path: str | Path, *, limits: WireLimits = DEFAULT_LIMITS) -> 
             line_no = 1
             while True:
                 try:
-                    line = fh.readline()
+                    line = fh.readline(MAX_LINE_CHARS + 1)
                 except (OSError, EOFError, UnicodeDecodeError) as e:
                     raise EventLogError(path, line_no + 1, f"more gzip data of UTF-8 JSON lines ({e})") from None
                 if not line:
                     return
                 line_no += 1
+                if len(line) > MAX_LINE_CHARS:
+                    raise EventLogError(path, line_no, f"a line of at most {MAX_LINE_CHARS} characters")
                 if not line.strip():
                     continue
                 try:

@@ -4,8 +4,14 @@ Every record is a JSON object with ``"schema": "<major>.<minor>"``. Readers acce
 version of the major they know and ignore fields they do not know (``extra="ignore"``), so a
 newer producer can add fields without breaking older consumers. An unknown major version,
 bytes that are not a JSON object, and records that fail validation raise ``DecodeError`` with a
-``reason`` (``malformed`` / ``unknown_major`` / ``wrong_type`` / ``invalid``); consumers send
-them to the DLQ (``kvguard.bus.dlq``) and keep going.
+``reason`` (``tombstone`` / ``malformed`` / ``unknown_major`` / ``wrong_type`` / ``invalid``);
+consumers send them to the DLQ (``kvguard.bus.dlq``) and keep going. A record with a null value
+(a Kafka tombstone) is ``tombstone``, an empty one ``malformed``: no kvguard topic carries either.
+
+Node ids are bounded where they enter (``NodeId``, the rule in ``kvguard.contracts.node_id``): at
+most 48 characters of letters, digits and ``-_./:``; a record naming any other node is ``invalid``.
+A DLQ record is bounded whatever it carries (``DlqRecord.of``: a large value travels as its size,
+SHA-256 and a prefix), so the DLQ takes every bad record under the default 1 MiB broker limit.
 
 Event batches are columnar: ``"cols": {"ts_ns": [...], "kind": [...], ...}``, one JSON array per
 ``EVENT_DTYPE`` column (the event-log line format minus ``"type"``). The envelope is validated by
@@ -20,6 +26,7 @@ Kafka headers (CloudEvents binary mode): ``ce_specversion``, ``ce_type``
 from __future__ import annotations
 
 import base64
+import hashlib
 import uuid
 from dataclasses import fields as dataclass_fields
 from datetime import datetime, timezone
@@ -27,10 +34,20 @@ from typing import Annotated, Any, ClassVar
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvguard.contracts.commands import COMMAND_MAJOR, COMMAND_SCHEMA, PAYLOADS, CommandError
 from kvguard.contracts.events import COLUMNS, EVENT_DTYPE, EventBatch, Geometry, PoolState
+from kvguard.contracts.node_id import node_id_problem
 from kvguard.contracts.tick import SINCE_OOM_CAP_S, Tick
 from kvguard.contracts.tick import Candidate as TickCandidate
 from kvguard.contracts.units import DEFAULT_PRIORITY
@@ -60,7 +77,7 @@ def ce_type(kind: str, major: int | None = None) -> str:
 class DecodeError(ValueError):
     """A record cannot be decoded. ``reason`` is a DLQ reason code; ``detail`` says why."""
 
-    REASONS = ("malformed", "unknown_major", "wrong_type", "invalid")
+    REASONS = ("tombstone", "malformed", "unknown_major", "wrong_type", "invalid")
 
     def __init__(self, reason: str, detail: str):
         self.reason = reason
@@ -76,6 +93,17 @@ def schema_major(version: Any) -> int:
     if not major.isdigit() or (minor and not minor.split(".")[0].isdigit()):
         raise DecodeError("invalid", f"schema: expected a 'major.minor' string, got {version!r}")
     return int(major)
+
+
+def _node_id(value: str) -> str:
+    problem = node_id_problem(value)
+    if problem is not None:
+        raise ValueError(f"node id {problem}")
+    return value
+
+
+# every record's ``node`` (kvguard.contracts.node_id): checked on the length before anything else
+NodeId = Annotated[str, AfterValidator(_node_id)]
 
 
 class WireModel(BaseModel):
@@ -182,7 +210,7 @@ class EventBatchRecord(WireModel):
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True, arbitrary_types_allowed=True)
 
-    node: str = Field(min_length=1)
+    node: NodeId
     epoch: int = Field(0, ge=0)
     seq: int = Field(ge=0)
     geometry: GeometryModel | None = None
@@ -236,7 +264,7 @@ def encode_batch(batch: EventBatch) -> bytes:
     return orjson.dumps(batch_to_wire_dict(batch), option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def decode_batch(value: bytes | bytearray | memoryview, headers: Any = None, *,
+def decode_batch(value: bytes | bytearray | memoryview | None, headers: Any = None, *,
                  limits: WireLimits | None = None, check: bool = True) -> EventBatch:
     """JSON bytes -> validated EventBatch; ``DecodeError`` with a DLQ reason otherwise."""
     return decode("events", value, headers, limits=limits, check=check).to_batch()
@@ -263,7 +291,7 @@ class Candidate(BaseModel):
 class MetricTick(WireModel):
     """One tick of one node's pressure metrics on ``kvguard.metrics`` (docs/ARCHITECTURE.md, "Metrics")."""
 
-    node: str = Field(min_length=1)
+    node: NodeId
     ts_ns: int
     # the producer run (``EventBatch.epoch``): ts_ns orders a node's ticks only within one epoch; a
     # newer epoch is a restarted node whose clock may start over (0: records from before the field)
@@ -344,7 +372,7 @@ class MetricTick(WireModel):
 class Alert(WireModel):
     """A firing or resolved alert on ``kvguard.alerts`` (shaped for an Alertmanager webhook)."""
 
-    node: str = Field(min_length=1)
+    node: NodeId
     ts_ns: int
     name: str = Field(min_length=1)  # alertname, e.g. KVCacheOOMRisk
     tier: str  # threshold | slope | fragmentation | lstm | budget (more may come)
@@ -378,7 +406,7 @@ class Command(WireModel):
     schema_version: str = Field(COMMAND_SCHEMA, alias="schema")
     major: ClassVar[int] = COMMAND_MAJOR
     id: str = Field(min_length=1)
-    node: str = Field(min_length=1)
+    node: NodeId
     action: str
     payload: dict[str, Any]
     reason: str = ""
@@ -403,7 +431,7 @@ class Ack(WireModel):
     """An actuator's acknowledgement on ``kvguard.acks``; fields as ``kvguard.contracts.commands.Ack.to_dict``."""
 
     command_id: str = Field(min_length=1)
-    node: str = Field(min_length=1)
+    node: NodeId
     outcome: str
     executed_at_ns: int
     units_freed: int = 0
@@ -418,24 +446,57 @@ class Ack(WireModel):
     errors: list[str] = Field(default_factory=list)
 
 
-class DlqRecord(WireModel):
-    """A record that could not be decoded, with the reason and the original bytes (base64)."""
+# A DLQ record stays under ~400 KiB whatever it dead-letters: the value whole up to 256 KiB (342 KiB
+# of base64), else its size, SHA-256 and first 4 KiB; the key, header values and the detail cut to
+# a few KiB. It fits the default broker limit (Kafka's message.max.bytes, aiokafka's
+# max_request_size: 1 MiB) with room to spare, so a bad record of any size reaches the DLQ.
+DLQ_INLINE_VALUE_BYTES = 256 * 1024
+DLQ_PREFIX_BYTES = 4096
+DLQ_KEY_BYTES = 1024
+DLQ_HEADERS = 32
+DLQ_HEADER_NAME_CHARS = 256
+DLQ_HEADER_VALUE_BYTES = 1024
+DLQ_DETAIL_CHARS = 2000
+DLQ_SCHEMA_VERSION = "1.1"  # 1.1: value_b64 optional; value_bytes, value_sha256, value_prefix_b64, tombstone
 
+
+class DlqRecord(WireModel):
+    """A record that could not be decoded, with the reason and what it held, bounded (``of``).
+
+    ``value_b64`` is the original value (base64) when it has at most ``DLQ_INLINE_VALUE_BYTES``;
+    a larger one is ``value_bytes`` long, hashes to ``value_sha256`` and begins with
+    ``value_prefix_b64`` (its first ``DLQ_PREFIX_BYTES``). A null value (a tombstone) has
+    ``tombstone`` set and neither. The key likewise: whole up to ``DLQ_KEY_BYTES`` (``key_bytes``
+    is its size either way)."""
+
+    schema_version: str = Field(DLQ_SCHEMA_VERSION, alias="schema")
     reason: str
     detail: str = ""
     topic: str
     partition: int
     offset: int
     key_b64: str | None = None
-    value_b64: str
-    headers: list[tuple[str, str]] = Field(default_factory=list)  # (name, base64 value)
+    key_bytes: int = 0
+    value_b64: str | None = None
+    value_bytes: int = 0
+    value_sha256: str = ""
+    value_prefix_b64: str = ""
+    tombstone: bool = False
+    headers: list[tuple[str, str]] = Field(default_factory=list)  # (name, base64 value), each cut to a bound
+    headers_dropped: int = 0  # headers past DLQ_HEADERS, left out
     group: str = ""
     component: str = ""
     dead_lettered_at_ns: int = 0
 
     @property
-    def value(self) -> bytes:
-        return base64.b64decode(self.value_b64)
+    def value(self) -> bytes | None:
+        """The original value, or None: a tombstone, or a value too large to carry (``truncated``)."""
+        return None if self.value_b64 is None else base64.b64decode(self.value_b64)
+
+    @property
+    def truncated(self) -> bool:
+        """The value was too large to carry whole: only its size, hash and prefix are here."""
+        return self.value_b64 is None and not self.tombstone
 
     @property
     def key(self) -> bytes | None:
@@ -443,21 +504,46 @@ class DlqRecord(WireModel):
 
     @classmethod
     def of(cls, *, reason: str, detail: str, topic: str, partition: int, offset: int, key: bytes | None,
-           value: bytes, headers: Any = (), group: str = "", component: str = "",
+           value: bytes | None, headers: Any = (), group: str = "", component: str = "",
            dead_lettered_at_ns: int = 0) -> "DlqRecord":
+        """The DLQ record of one consumed record, within the bounds above whatever its size."""
+        raw = None if value is None else bytes(value)
+        inline = raw is not None and len(raw) <= DLQ_INLINE_VALUE_BYTES
+        pairs = list(headers or ())
         return cls(
-            reason=reason,
-            detail=detail[:2000],
+            reason=reason[:DLQ_HEADER_NAME_CHARS],
+            detail=detail[:DLQ_DETAIL_CHARS],
             topic=topic,
             partition=partition,
             offset=offset,
-            key_b64=None if key is None else base64.b64encode(key).decode(),
-            value_b64=base64.b64encode(bytes(value)).decode(),
-            headers=[(name, base64.b64encode(val or b"").decode()) for name, val in (headers or ())],
+            key_b64=None if key is None or len(key) > DLQ_KEY_BYTES else base64.b64encode(bytes(key)).decode(),
+            key_bytes=0 if key is None else len(key),
+            value_b64=base64.b64encode(raw).decode() if inline else None,
+            value_bytes=0 if raw is None else len(raw),
+            value_sha256="" if raw is None else hashlib.sha256(raw).hexdigest(),
+            value_prefix_b64="" if raw is None or inline else base64.b64encode(raw[:DLQ_PREFIX_BYTES]).decode(),
+            tombstone=raw is None,
+            headers=[(str(name)[:DLQ_HEADER_NAME_CHARS], base64.b64encode(_raw(val)[:DLQ_HEADER_VALUE_BYTES]).decode())
+                     for name, val in pairs[:DLQ_HEADERS]],
+            headers_dropped=max(0, len(pairs) - DLQ_HEADERS),
             group=group,
             component=component,
             dead_lettered_at_ns=dead_lettered_at_ns,
         )
+
+
+def _raw(value: Any) -> bytes:
+    if value is None:
+        return b""
+    return value.encode("utf-8", "replace") if isinstance(value, str) else bytes(value)
+
+
+def dlq_key(key: bytes | None) -> bytes | None:
+    """The key a DLQ record is published with: the original one (so one node's bad records share
+    a partition), or its SHA-256 when it is longer than ``DLQ_KEY_BYTES``."""
+    if key is None or len(key) <= DLQ_KEY_BYTES:
+        return key
+    return hashlib.sha256(bytes(key)).digest()
 
 
 MODELS: dict[str, type[WireModel]] = {
@@ -481,18 +567,23 @@ def encode(model: WireModel) -> bytes:
     return model.to_bytes()
 
 
-def decode(kind: str, value: bytes | bytearray | memoryview, headers: Any = None, *,
+def decode(kind: str, value: bytes | bytearray | memoryview | None, headers: Any = None, *,
            limits: WireLimits | None = None, check: bool = True) -> WireModel:
     """Bytes of a ``kind`` record -> its model. ``headers`` (Kafka header pairs) are checked when given.
 
-    Raises ``DecodeError`` with reason ``malformed`` (not a JSON object), ``wrong_type`` (the
-    ``ce_type`` header names another kind), ``unknown_major`` (header or payload) or ``invalid``
+    Raises ``DecodeError`` with reason ``tombstone`` (a null value), ``malformed`` (empty, or not
+    a JSON object), ``wrong_type`` (the ``ce_type`` header names another kind), ``unknown_major``
+    (header or payload) or ``invalid``
     (the schema, or the contents: ``kvguard.wire.validate``, with ``limits`` as its caps;
     ``check=False`` skips the contents, for the codec alone).
     """
     model_cls = MODELS.get(kind)
     if model_cls is None:
         raise KeyError(f"unknown record kind {kind!r}; expected one of {', '.join(KINDS)}")
+    if value is None:
+        raise DecodeError("tombstone", "a null value (a tombstone): no kvguard topic carries one")
+    if len(value) == 0:
+        raise DecodeError("malformed", "an empty value: expected a JSON object")
     if headers:
         _check_type_header(kind, headers)
     try:

@@ -46,9 +46,12 @@ _UNPICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, Ind
 _SEGMENT_FIELDS = {"address": int, "total_size": int, "stream": int, "segment_type": str,
                    "blocks": list}
 _BLOCK_FIELDS = {"size": int, "state": str}
+_BLOCK_OPTIONAL_FIELDS = {"requested_size": int}
 _ENTRY_FIELDS = {"action": str}
 _ENTRY_OPTIONAL_FIELDS = {"size": int, "stream": int, "time_us": int}
 _ADDRESSED_ENTRY_FIELDS = {"addr": int, "size": int}  # all actions but oom and snapshot
+# sizes and addresses are unsigned in the allocator (size_t, uintptr): a negative one is no snapshot
+_NON_NEGATIVE = frozenset({"address", "total_size", "size", "addr", "requested_size"})
 _UNADDRESSED_ACTIONS = ("oom", "snapshot")  # oom records "device_free" where others have "addr"
 # C++ frames that only say "the allocator was called": skipped when naming who allocated
 _MACHINERY_PREFIXES = ("torch::unwind", "torch::CapturedTraceback", "torch::cuda::", "c10::",
@@ -113,7 +116,8 @@ def _shape_problem(data) -> str | None:
         if problem:
             return f"segment {i}: {problem}"
         for block in seg["blocks"]:
-            problem = _field_problem(block, _BLOCK_FIELDS)
+            problem = (_field_problem(block, _BLOCK_FIELDS)
+                       or _field_problem(block, _BLOCK_OPTIONAL_FIELDS, required=False))
             if problem:
                 return f"a block of segment {i}: {problem}"
     for device, trace in enumerate(traces):
@@ -138,6 +142,8 @@ def _field_problem(obj, fields: dict, required: bool = True) -> str | None:
                 return f"no {key!r}"
         elif not isinstance(obj[key], kind) or isinstance(obj[key], bool):
             return f"{key!r} is a {type(obj[key]).__name__}, not {kind.__name__}"
+        elif key in _NON_NEGATIVE and obj[key] < 0:
+            return f"{key!r} is {obj[key]}, expected >= 0 (a size or an address)"
     return None
 
 

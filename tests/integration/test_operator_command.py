@@ -38,7 +38,7 @@ from tests.integration.test_vllm_plugin import Rig
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
-SECRET = "0ddba11cafe0123456789abcdef0123456789abcdef0123456789abcdef01234"
+SECRET = "9316105542c67d564fc4917482b8e69304928fda9f8d1c0f58bdb31371335442"
 
 
 def publish_ticks(rig: Rig, bus, settings, core: StreamCore, loop) -> None:

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 import kvguard.cli
-import kvguard.cli.scrape  # noqa: F401 - until kvguard/cli/__init__.py imports it
+import kvguard.cli.scrape  # registers the command until kvguard/cli/__init__.py imports it
 from kvguard.cli.app import app
 from kvguard.producers.vllm.metrics import PREEMPTIONS, TTFT, USAGE, parse_exposition, vllm_engines
 
@@ -78,9 +78,13 @@ def server(vllm_metrics):
     async def metrics(_request):
         return web.Response(text=vllm_metrics.text(), content_type="text/plain")
 
+    async def wide(_request):
+        return web.Response(text=" " * 100_000 + "\n", content_type="text/plain")
+
     async def start():
         application = web.Application()
         application.router.add_get("/metrics", metrics)
+        application.router.add_get("/wide", wide)
         runner = web.AppRunner(application)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -133,3 +137,13 @@ def test_a_scrape_of_something_that_is_not_vllm_is_reported_not_crashed(server):
     assert result.exit_code == 1
     errors = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
     assert len(errors) == 2 and all(e["type"] == "scrape_error" and "404" in e["error"] for e in errors)
+
+
+def test_a_scrape_body_past_the_bound_is_refused_having_read_no_more(server, monkeypatch):
+    # issue 28: readers bound what one line (here: one body) may make them hold
+    monkeypatch.setattr(kvguard.cli.scrape, "MAX_EXPOSITION_BYTES", 10_000)
+    url = server.replace("/metrics", "/wide")
+    result = CliRunner().invoke(app, ["scrape", "--url", url, "--interval", "100ms", "--count", "1", "--json"])
+    assert result.exit_code == 1
+    (error,) = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    assert error["type"] == "scrape_error" and "over 10000 bytes" in error["error"]

@@ -31,7 +31,7 @@ from tests.integration.test_vllm_plugin import Rig
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
-SECRET = "c0ffee11d00d2bad5eed0123456789abcdef0123456789abcdef0123456789ab"
+SECRET = "e50f24450cca5519777154f8a9c59d4e7ca2297cccdfeeb5d1381f0f790f3824"
 
 
 def signed(plugin, payload: Payload, command_id: str, *, mode: Mode = Mode.DEFAULT) -> Command:

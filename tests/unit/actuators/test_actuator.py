@@ -245,3 +245,13 @@ async def test_acks_survive_a_broker_outage_before_the_commands_are_committed():
                       stop=stop), until_acked()), timeout=10)
     records = await inner.subscribe([settings.topics.name("acks")], "reader3").getmany(timeout_s=0)
     assert acks == [] and [Ack.from_bytes(r.value).outcome for r in records] == [AckOutcome.EXECUTED]
+
+
+def test_journal_skips_a_line_past_its_bound_and_keeps_the_ids_around_it(tmp_path, monkeypatch):
+    import kvguard.actuators.actuator as actuator_module
+
+    monkeypatch.setattr(actuator_module, "JOURNAL_LINE_CHARS", 100)
+    path = tmp_path / "applied.journal"
+    path.write_text("aaa 10\n" + "x" * 1000 + " 20\n" + "bbb 30\n", encoding="ascii")
+    journal = AppliedJournal(path)
+    assert "aaa" in journal and "bbb" in journal and len(journal) == 2

@@ -38,3 +38,22 @@ def test_a_file_that_is_not_a_snapshot_is_refused_with_one_line(tmp_path):
     bad.write_bytes(b"not a pickle at all")
     result = runner.invoke(app, ["inspect", "snapshot", str(bad)])
     assert result.exit_code == 2 and "error:" in result.output and "Traceback" not in result.output
+
+
+def test_a_snapshot_with_a_negative_size_is_refused_not_reported_as_negative_tib(tmp_path):
+    import pickle
+
+    real = DATA / "cs336_silmont2000_mem_snapshot.pickle"
+    snap = pickle.loads(real.read_bytes())
+    snap["segments"][0]["total_size"] = -(1 << 50)
+    bad = tmp_path / "negative.pickle"
+    bad.write_bytes(pickle.dumps(snap))
+    result = runner.invoke(app, ["inspect", "snapshot", str(bad)])
+    assert result.exit_code == 2, result.output
+    assert "segment 0: 'total_size' is -1125899906842624, expected >= 0" in result.output
+    assert "TiB" not in result.output and "Traceback" not in result.output
+    snap["segments"][0]["total_size"] = abs(snap["segments"][0]["total_size"])
+    snap["segments"][0]["blocks"][0]["size"] = -512
+    bad.write_bytes(pickle.dumps(snap))
+    result = runner.invoke(app, ["inspect", "snapshot", str(bad)])
+    assert result.exit_code == 2 and "a block of segment 0: 'size' is -512" in result.output, result.output

@@ -14,7 +14,7 @@ from kvguard.contracts.units import NS_PER_S
 from tests.unit.actuators.test_actuator import NODE, SECRET, evict_command
 from tests.unit.actuators.test_executor import running_engine
 
-STRONG = "0123456789abcdef0123456789abcdef-strong"
+STRONG = "a5d7631065b7b68dee5e4ce06fc6c5f2d64ea94dfc578fc1-strong"  # random hex: the check estimates entropy
 
 
 def actuator(engine, **kw) -> Actuator:

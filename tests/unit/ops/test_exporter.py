@@ -89,8 +89,9 @@ def test_every_metric_the_prometheus_rules_use_is_rendered_with_the_expected_typ
 
 
 def test_label_values_are_escaped():
+    # the wire refuses such a node id (kvguard.contracts.node_id); the exporter escapes whatever it gets
     state = ExportState()
-    state.observe_tick(tick(node='we"ird\\node\nx'), now_ns=0)
+    state.observe_tick(MetricTick.model_construct(**(tick().model_dump() | {"node": 'we"ird\\node\nx'})), now_ns=0)
     text = state.render(now_ns=0)
     assert 'node="we\\"ird\\\\node\\nx"' in text
     parse(text)
@@ -417,3 +418,49 @@ def test_the_collector_registers_on_a_prometheus_client_registry_and_expires_on_
     assert b"kvguard_u_kv{" in generate_latest(registry)
     now[0] = 61 * NS_PER_S  # a scrape after the TTL drops the silent node
     assert b"kvguard_u_kv{" not in generate_latest(registry) and state.counters.nodes_expired == 1
+
+
+def longest_node_ids(n: int) -> list[str]:
+    """``n`` node ids of the longest length the wire takes, in both of kvguard's forms (``<pod>:<rank>``
+    puts the whole id into ``instance`` too, the larger exposition)."""
+    from kvguard.contracts.node_id import NODE_ID_MAX_CHARS
+
+    ids = []
+    for i in range(n):
+        ids.append(f"h{i:03d}".ljust(NODE_ID_MAX_CHARS - 5, "x") + "/gpu0" if i % 2 else
+                   f"h{i:03d}".ljust(NODE_ID_MAX_CHARS - 3, "x") + ":07")
+    assert all(len(node) == NODE_ID_MAX_CHARS for node in ids)
+    return ids
+
+
+def full_tick(node: str, ts_s: int) -> MetricTick:
+    """A tick that fills every per-node series the exporter has: each gauge, counter and quantile,
+    the bytes gauges (unit_bytes), the allocator family and the whole utilization split."""
+    return tick(node=node, ts_s=ts_s, ooms=1, p_oom=0.1, unit_bytes=4096, preemptions=2, evicted_pages=3,
+                evicted_requests=1, evicted_tokens=5, alloc_retries=1, alloc_failures=1, tokens_per_s=5.0,
+                decode_tokens_per_s=4.0, arrivals=3, finished=2, requests_running=3, requests_waiting=1,
+                requests_holding_pages=3, alloc_reserved_bytes=1, alloc_segments=2, alloc_allocated_bytes=3,
+                alloc_inactive_split_bytes=1, alloc_largest_free_block_bytes=1, alloc_f_ext=0.1, free_units=10,
+                largest_free_run_units=5, dynamic_units=100, live_units=50, cached_units=5, workspace_units=3,
+                pages_per_request_p50=1, pages_per_request_p95=2, pages_per_request_p99=3,
+                utilization={"weights": 0.4, "kv_live": 0.3, "kv_cached": 0.1, "workspace": 0.1, "free": 0.05,
+                             "headroom": 0.03, "reserved": 0.02})
+
+
+def test_metrics_of_a_hundred_nodes_with_the_longest_ids_stay_under_one_megabyte():
+    # issue 28: 100 nodes with 10,005-character ids made /metrics 93 MB; the id is bounded at the wire
+    state = ExportState()
+    for node in longest_node_ids(100):
+        for ts_s in (10, 20):
+            state.observe_tick(full_tick(node, ts_s), now_ns=0)
+        state.observe_alert(Alert(node=node, ts_ns=20 * NS_PER_S, name="KVCacheOOMRisk", tier="threshold",
+                                  severity="critical"), now_ns=0)
+        command = Command(id=f"{node}/evict", node=node, action="evict", issued_at_ns=1, ttl_ns=1)
+        state.observe_command(command, now_ns=0)
+        state.observe_ack(Ack(command_id=command.id, node=node, outcome="executed", executed_at_ns=2,
+                              action="evict", units_freed=4), now_ns=0)
+    for openmetrics in (False, True):
+        text = state.render(now_ns=0, openmetrics=openmetrics)
+        per_node = [line for line in text.splitlines() if line.startswith("kvguard_") and 'node="h042' in line]
+        assert len(per_node) >= 50  # every per-node series is there
+        assert len(text.encode()) < 1_000_000, len(text.encode())

@@ -84,21 +84,23 @@ def test_a_piece_that_cannot_fit_is_dropped_and_counted():
 
 
 class RefusingBus:
-    """A broker that refuses one record for good (aiokafka's MessageSizeTooLargeError), and
-    counts how often it was asked."""
+    """A broker that refuses one record (aiokafka's MessageSizeTooLargeError unless ``error`` says
+    otherwise) ``times`` times, then takes it; counts how often it was asked."""
 
-    def __init__(self, refuse: bytes):
+    def __init__(self, refuse: bytes, error=None, times: int = 10**9):
         self.inner = InprocBus(auto_create=True)
         self.refuse = refuse
+        self.error = error
+        self.times = times
         self.attempts = 0
 
     async def publish(self, topic, key, value, headers=()):
         from aiokafka.errors import MessageSizeTooLargeError
 
-        if value == self.refuse:
+        if value == self.refuse and self.attempts < self.times:
             self.attempts += 1
             future = asyncio.get_running_loop().create_future()
-            future.set_exception(MessageSizeTooLargeError("the broker's message.max.bytes is smaller"))
+            future.set_exception(self.error or MessageSizeTooLargeError("the broker's message.max.bytes is smaller"))
             return future
         return await self.inner.publish(topic, key, value, headers)
 
@@ -112,6 +114,22 @@ async def test_a_record_the_broker_refuses_for_good_is_dropped_not_retried_forev
     assert await publisher.flush(timeout_s=3), "flush must finish: nothing left to retry"
     assert bus.attempts == 1 and publisher.counters.batches_refused == 1
     assert publisher.buffered == 0 and len(await bus.inner.subscribe([TOPIC], "r").getmany(timeout_s=0)) == 2
+
+
+@pytest.mark.parametrize("error", ["UnknownError", "KafkaTimeoutError", "NotLeaderForPartitionError",
+                                   "UnknownTopicOrPartitionError", "BrokerNotAvailableError"])
+async def test_a_failure_that_may_pass_is_retried_even_when_aiokafka_calls_it_not_retriable(error):
+    # a wiped Tansu answers sends with UnknownError (-1) while its topic is re-created (issue 28)
+    import aiokafka.errors
+
+    from kvguard.wire.schemas import encode_batch
+
+    batches = [b for b in two_node_stream() if b.node == "a"][:3]
+    bus = RefusingBus(encode_batch(batches[1]), error=getattr(aiokafka.errors, error)(), times=3)
+    publisher = NodePublisher(bus, TOPIC, one_source(batches), retry_backoff_s=(0.01, 0.02))
+    assert await publisher.flush(timeout_s=5)
+    assert bus.attempts == 3 and publisher.counters.batches_refused == 0 and publisher.counters.publish_failures == 3
+    assert len(await bus.inner.subscribe([TOPIC], "r").getmany(timeout_s=0)) == 3
 
 
 class DownBus:

@@ -91,3 +91,68 @@ def test_a_page_run_outside_the_node_region_is_an_error_naming_the_line(recorded
     _, batches = read_event_log(path)
     with pytest.raises(EventLogError, match=r":4: .*offset 1000000000 .*D = \d+ units"):
         list(batches)
+
+
+def _log_with_line(path, line: str, batches=()) -> None:
+    with gzip.open(path, "wt", encoding="utf-8") as fh:
+        fh.write(json.dumps({"type": "header", "schema": "1.0", "meta": {}}) + "\n")
+        fh.write(line + "\n")
+
+
+def test_a_line_past_the_bound_is_refused(tmp_path, monkeypatch):
+    # issue 28: a 400 MB line of whitespace was read whole (863 MB RSS); the reader takes at most
+    # MAX_LINE_CHARS of a line (readline's limit), here made small so the test writes little
+    from kvguard.wire import eventlog
+
+    monkeypatch.setattr(eventlog, "MAX_LINE_CHARS", 1000)
+    path = tmp_path / "wide.jsonl.gz"
+    _log_with_line(path, " " * 50_000)
+    _, batches = read_event_log(path)
+    with pytest.raises(EventLogError, match=r":2: expected a line of at most 1000 characters"):
+        list(batches)
+    _log_with_line(path, " " * 999)  # a blank line within the bound is skipped, as before
+    _, batches = read_event_log(path)
+    assert list(batches) == []
+
+
+def test_a_header_past_its_bound_is_refused(tmp_path, monkeypatch):
+    from kvguard.wire import eventlog
+
+    monkeypatch.setattr(eventlog, "MAX_HEADER_CHARS", 100)
+    path = tmp_path / "header.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as fh:
+        fh.write(json.dumps({"type": "header", "schema": "1.0", "meta": {"x": "y" * 500}}) + "\n")
+    with pytest.raises(EventLogError, match=r":1: expected a header line of at most 100 characters"):
+        read_event_log(path)
+
+
+def test_the_writer_refuses_a_line_the_reader_would_refuse(tmp_path, monkeypatch):
+    from kvguard.wire import eventlog
+    from tests.unit.streams.test_stream_hostile import two_node_stream
+
+    monkeypatch.setattr(eventlog, "MAX_LINE_CHARS", 200)
+    with pytest.raises(ValueError, match="over the event log's 200"):
+        write_event_log(tmp_path / "w.jsonl.gz", two_node_stream()[:1])
+
+
+def test_a_batch_line_naming_a_hostile_node_is_refused_with_its_line(tmp_path):
+    from kvguard.wire.eventlog import batch_to_dict
+    from tests.unit.streams.test_stream_hostile import two_node_stream
+
+    line = batch_to_dict(two_node_stream()[0]) | {"node": "sim-0/gpu0\u202e" + "x" * 10_000}
+    path = tmp_path / "node.jsonl.gz"
+    _log_with_line(path, json.dumps(line))
+    _, batches = read_event_log(path)
+    with pytest.raises(EventLogError, match=r":2: expected a batch of a node id \(its node id is 10011 characters"):
+        list(batches)
+
+
+def test_kvguard_metrics_refuses_a_log_with_a_line_past_the_bound_in_one_line(tmp_path, monkeypatch):
+    from kvguard.wire import eventlog
+
+    monkeypatch.setattr(eventlog, "MAX_LINE_CHARS", 1000)
+    path = tmp_path / "wide.jsonl.gz"
+    _log_with_line(path, "\t" * 20_000)
+    result = CliRunner().invoke(app, ["metrics", "--events", str(path)])
+    assert result.exit_code == 2 and "expected a line of at most 1000 characters" in result.output
+    assert "Traceback" not in result.output

@@ -210,3 +210,45 @@ def test_model_refuses_unknown_major_when_built_directly():
 def test_from_batch_builds_a_validated_record():
     record = EventBatchRecord.from_batch(make_batch(4))
     assert record.seq == 0 and len(record.to_batch()) == 4
+
+
+def test_a_dlq_record_carries_a_value_whole_up_to_its_bound_and_a_larger_one_by_size_hash_and_prefix():
+    import hashlib
+
+    from kvguard.wire.schemas import DLQ_INLINE_VALUE_BYTES, DLQ_PREFIX_BYTES
+
+    def dead(value, **kw):
+        record = DlqRecord.of(reason="malformed", detail="d" * 10**6, topic="t", partition=0, offset=3,
+                              key=kw.get("key", b"n"), value=value, headers=kw.get("headers", ()))
+        return decode("dlq", record.to_bytes())
+
+    small = bytes(range(256)) * (DLQ_INLINE_VALUE_BYTES // 256)
+    kept = dead(small)
+    assert kept.value == small and not kept.truncated and kept.value_bytes == len(small)
+    assert kept.value_sha256 == hashlib.sha256(small).hexdigest() and len(kept.detail) == 2000
+    for size in (DLQ_INLINE_VALUE_BYTES + 1, 800_000, 5_000_000, 20_000_000):
+        value = (small * (size // len(small) + 1))[:size]
+        cut = dead(value, key=b"k" * 5000, headers=[(f"h{i}", b"v" * 5000) for i in range(100)])
+        assert cut.truncated and cut.value is None and cut.value_bytes == size
+        assert cut.value_sha256 == hashlib.sha256(value).hexdigest()
+        assert base64.b64decode(cut.value_prefix_b64) == value[:DLQ_PREFIX_BYTES]
+        assert cut.key is None and cut.key_bytes == 5000  # a key too long to carry: its size only
+        assert len(cut.headers) == 32 and cut.headers_dropped == 68
+        assert len(cut.to_bytes()) < 512 * 1024, size  # half the default broker limit, whatever came in
+
+
+def test_the_dlq_key_is_the_original_one_or_its_hash_when_that_is_too_long():
+    from kvguard.wire.schemas import dlq_key
+
+    assert dlq_key(None) is None and dlq_key(b"sim-0/gpu0") == b"sim-0/gpu0"
+    long_key = b"k" * 5000
+    assert dlq_key(long_key) == dlq_key(long_key) and len(dlq_key(long_key)) == 32
+
+
+def test_an_empty_value_is_malformed_and_a_null_one_a_tombstone():
+    with pytest.raises(DecodeError) as err:
+        decode("metrics", b"")
+    assert err.value.reason == "malformed" and "empty" in err.value.detail
+    with pytest.raises(DecodeError) as err:
+        decode_batch(None)
+    assert err.value.reason == "tombstone"
