@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvguard.contracts.events import EventBatch
-from kvguard.contracts.node_id import check_node_id, node_id_problem
+from kvguard.contracts.node_id import fit_node_id, node_id_problem
 from kvguard.wire.eventlog import write_event_log
 
 log = logging.getLogger("kvguard.sinks")
@@ -35,14 +35,20 @@ def node_id_from_env(env: Mapping[str, str] | None = None, device_index: int | N
     env = os.environ if env is None else env
     explicit = env.get("KVGUARD_NODE_ID", "").strip() or env.get("KVGUARD_NODE__NODE_ID", "").strip()
     if explicit:
-        return check_node_id(explicit, "KVGUARD_NODE_ID")
+        return usable_node_id(explicit, "KVGUARD_NODE_ID")
     host = env.get("KVGUARD_HOST", "").strip() or env.get("NODE_NAME", "").strip() or socket.gethostname()
     visible = env.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
     index = visible or str(device_index if device_index is not None else 0)
-    node = f"{host}/gpu{index}"
-    if node_id_problem(node) is not None:  # every consumer would dead-letter its batches: say so now
-        raise ValueError(f"the node id {node!r} made from the host name and GPU {node_id_problem(node)}; "
-                         "set KVGUARD_NODE_ID to an id of the node (kvguard.contracts.node_id)")
+    return usable_node_id(f"{host}/gpu{index}", "the host name and GPU")
+
+
+def usable_node_id(raw: str, source: str) -> str:
+    """``raw`` as a node id every consumer takes (``fit_node_id``): an engine plugin must never stop
+    its engine from serving over a name, so a long or odd one is shortened, and the log says to what."""
+    node = fit_node_id(raw)
+    if node != raw:
+        log.warning("kvguard: the node id %r from %s %s; publishing as %r (set KVGUARD_NODE_ID to choose one)",
+                    raw[:120], source, node_id_problem(raw), node)
     return node
 
 

@@ -8,7 +8,9 @@ A node id is ``<host>/gpu<i>`` or ``<pod>:<dp_rank>`` (docs/ARCHITECTURE.md). Th
   length is what a node costs on ``/metrics``; 48 keeps a hundred nodes with every per-node series
   under 1 MB (tests/unit/ops/test_exporter.py), where 63 does not. A cloud host name and a GPU
   index fit (``ip-10-0-12-34.us-west-2.compute.internal/gpu3`` is 46); an id built from a GPU
-  UUID does not, and the node says to set ``KVGUARD_NODE_ID``;
+  UUID or from Kubernetes names (``$(NODE_NAME)/$(POD_NAME)``: each may be 253 characters) need
+  not, and ``fit_node_id`` shortens such an id the node side derives, deterministically (a prefix
+  and a hash of the whole), so a long name never stops an engine from serving;
 - the characters of a Kubernetes label value (``[A-Za-z0-9]``, ``-``, ``_``, ``.``) plus the two
   separators kvguard's own ids use, ``/`` and ``:``; first and last a letter or digit. So the set is
   a label value's plus two characters, not a subset of it (a label value cannot hold ``/``); it is
@@ -21,6 +23,7 @@ host name, ``<pod>:<rank>``. Pure: the standard library only.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 NODE_ID_MAX_CHARS = 48
@@ -50,3 +53,18 @@ def check_node_id(node: object, field: str = "node") -> str:
         shown = repr(node[:80]) + ("…" if len(node) > 80 else "") if isinstance(node, str) else repr(node)
         raise ValueError(f"{field} {shown} {problem}")
     return node
+
+
+def fit_node_id(raw: str) -> str:
+    """``raw`` when it is a node id; else the same id made one: characters outside the set become
+    ``-``, and an id that is still too long keeps its first characters and ends in ``-`` and the
+    first 8 hex digits of SHA-256 of ``raw`` (deterministic: the same node gets the same id after a
+    restart; two long names that share a prefix still differ)."""
+    if node_id_problem(raw) is None:
+        return raw
+    cleaned = re.sub(r"[^A-Za-z0-9._:/-]", "-", raw).strip("._:/-") or "node"
+    if len(cleaned) <= NODE_ID_MAX_CHARS and node_id_problem(cleaned) is None and cleaned == raw:
+        return cleaned
+    digest = hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    head = cleaned[:NODE_ID_MAX_CHARS - len(digest) - 1].rstrip("._:/-")
+    return check_node_id(f"{head}-{digest}" if head else digest, "node id")

@@ -46,8 +46,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvguard.contracts.node_id import check_node_id
-from kvguard.producers.sinks import make_sink, node_id_from_env
+from kvguard.producers.sinks import make_sink, node_id_from_env, usable_node_id
 from kvguard.producers.torch_cuda import CudaMemoryObserver
 from kvguard.producers.vllm.actions import ExecutorEngine, VllmActions
 from kvguard.producers.vllm.hooks import Attachment
@@ -154,7 +153,7 @@ class VllmPlugin:
         cuda_ready = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
         device = int(torch.cuda.current_device()) if cuda_ready else None
         # an id every consumer would refuse at decode is refused here, at the engine's start
-        self.node = (check_node_id(self.config.node_id, "KVGUARD_NODE_ID") if self.config.node_id
+        self.node = (usable_node_id(self.config.node_id, "KVGUARD_NODE_ID") if self.config.node_id
                      else node_id_from_env(env, device))
         pool = scheduler.kv_cache_manager.block_pool
         total = int(torch.cuda.get_device_properties(device).total_memory) if cuda_ready else 0

@@ -76,7 +76,8 @@ def test_a_hundred_ticks_with_ten_thousand_character_ids_are_refused_at_decode()
 @pytest.mark.parametrize("kind, record", [
     ("events", {"seq": 0, "cols": {}}),
     ("alerts", {"ts_ns": 1, "name": "X", "tier": "threshold", "severity": "warning"}),
-    ("commands", {"id": "c", "action": "evict", "issued_at_ns": 1, "ttl_ns": 1}),
+    ("commands", {"schema": "2.0", "id": "c", "action": "hold", "payload": {"max_prompt_tokens": 0, "steps": 0},
+                  "issued_at_ns": 1, "ttl_ns": 1}),
     ("acks", {"command_id": "c", "outcome": "executed", "executed_at_ns": 1}),
 ])
 def test_every_record_naming_a_node_bounds_it(kind, record):
@@ -102,10 +103,26 @@ def test_a_node_id_setting_that_consumers_would_refuse_fails_at_start():
     assert Settings.load(env={"KVGUARD_NODE__NODE_ID": "gpu-host-7/gpu0"}).node.node_id == "gpu-host-7/gpu0"
 
 
-def test_an_engine_whose_host_name_makes_no_node_id_is_told_to_set_one():
+def test_an_engine_with_a_long_or_odd_name_still_serves_under_a_fitted_id(caplog):
+    """Kubernetes names run to 253 characters ($(NODE_NAME)/$(POD_NAME), deploy/k8s/vllm-node.yaml):
+    the plugin must not stop an engine over its name; it publishes under a fitted id and says so."""
+    from kvguard.contracts.node_id import NODE_ID_MAX_CHARS, fit_node_id, node_id_problem
     from kvguard.producers.sinks import node_id_from_env
 
-    with pytest.raises(ValueError, match="KVGUARD_NODE_ID"):
-        node_id_from_env({"NODE_NAME": "h" * 70})
-    with pytest.raises(ValueError, match="KVGUARD_NODE_ID"):
-        node_id_from_env({"KVGUARD_NODE_ID": "bad id"})
+    pod = "gke-inference-prod-a100-pool-7f3c2d1e-x9k2/vllm-llama3-70b-instruct-deployment-7f8d9c6b5-abcde"
+    fitted = node_id_from_env({"KVGUARD_NODE_ID": pod})
+    assert node_id_problem(fitted) is None and len(fitted) <= NODE_ID_MAX_CHARS
+    assert fitted.startswith("gke-inference-prod-a100-pool") and fitted == node_id_from_env({"KVGUARD_NODE_ID": pod})
+    assert "publishing as" in caplog.text
+    # two pods of one node (the same prefix) keep different ids
+    assert fit_node_id(pod) != fit_node_id(pod.replace("abcde", "fghij"))
+    assert node_id_problem(node_id_from_env({"NODE_NAME": "h" * 70})) is None
+    assert node_id_problem(node_id_from_env({"KVGUARD_NODE_ID": "bad id\u202e"})) is None
+    assert fit_node_id("sim-0/gpu0") == "sim-0/gpu0"  # a valid id is kept as it is
+
+
+@given(st.text(min_size=1, max_size=400))
+def test_every_fitted_id_is_a_node_id(raw):
+    from kvguard.contracts.node_id import fit_node_id, node_id_problem
+
+    assert node_id_problem(fit_node_id(raw)) is None
