@@ -455,7 +455,8 @@ def test_metrics_of_a_hundred_nodes_with_the_longest_ids_stay_under_one_megabyte
             state.observe_tick(full_tick(node, ts_s), now_ns=0)
         state.observe_alert(Alert(node=node, ts_ns=20 * NS_PER_S, name="KVCacheOOMRisk", tier="threshold",
                                   severity="critical"), now_ns=0)
-        command = Command(id=f"{node}/evict", node=node, action="evict", issued_at_ns=1, ttl_ns=1)
+        command = Command(id=f"{node}/evict", node=node, action="evict", payload={"targets": [[1, 0]]},
+                          issued_at_ns=1, ttl_ns=1)
         state.observe_command(command, now_ns=0)
         state.observe_ack(Ack(command_id=command.id, node=node, outcome="executed", executed_at_ns=2,
                               action="evict", units_freed=4), now_ns=0)
