@@ -105,6 +105,12 @@ def _node_id(value: str) -> str:
 # every record's ``node`` (kvguard.contracts.node_id): checked on the length before anything else
 NodeId = Annotated[str, AfterValidator(_node_id)]
 
+# a value the exporter writes as a label of a series (alert name, tier, severity, an action, a mode, an
+# outcome, a strategy variant): bounded like a node id, so a hostile record cannot grow /metrics by the
+# length of its strings; kvguard's own values ("KVCacheOOMRisk", "request/cost/async/recompute/hard") fit
+LABEL_VALUE_MAX_CHARS = 64
+LabelValue = Annotated[str, Field(max_length=LABEL_VALUE_MAX_CHARS, pattern=r"^[A-Za-z0-9_.:/-]*$")]
+
 
 class WireModel(BaseModel):
     """Base of every record: a schema version, unknown fields ignored."""
@@ -374,12 +380,12 @@ class Alert(WireModel):
 
     node: NodeId
     ts_ns: int
-    name: str = Field(min_length=1)  # alertname, e.g. KVCacheOOMRisk
-    tier: str  # threshold | slope | fragmentation | lstm | budget (more may come)
-    rule: str = ""  # the stream's rule name (same as ``name`` for stream alerts)
-    state: str = ""  # the stream's own firing/resolved field, mirrored by ``status``
-    severity: str  # warning | critical
-    status: str = "firing"  # firing | resolved
+    name: LabelValue = Field(min_length=1)  # alertname, e.g. KVCacheOOMRisk
+    tier: LabelValue  # threshold | slope | fragmentation | lstm | budget (more may come)
+    rule: LabelValue = ""  # the stream's rule name (same as ``name`` for stream alerts)
+    state: LabelValue = ""  # the stream's own firing/resolved field, mirrored by ``status``
+    severity: LabelValue  # warning | critical
+    status: LabelValue = "firing"  # firing | resolved
     fingerprint: str = ""
     started_at_ns: int = 0
     ends_at_ns: int | None = None
@@ -407,11 +413,11 @@ class Command(WireModel):
     major: ClassVar[int] = COMMAND_MAJOR
     id: str = Field(min_length=1)
     node: NodeId
-    action: str
+    action: LabelValue
     payload: dict[str, Any]
     reason: str = ""
-    mode: str = "default"
-    variant: str = ""
+    mode: LabelValue = "default"
+    variant: LabelValue = ""
     issued_at_ns: int
     ttl_ns: int = Field(ge=0)
     epoch: int = Field(0, ge=0)  # the producer epoch of the tick it was decided on (signed)
@@ -432,15 +438,15 @@ class Ack(WireModel):
 
     command_id: str = Field(min_length=1)
     node: NodeId
-    outcome: str
+    outcome: LabelValue
     executed_at_ns: int
     units_freed: int = 0
     units_moved: int = 0
     latency_ns: int = 0
     issued_at_ns: int = 0
-    action: str = ""
-    variant: str = ""
-    mode: str = ""
+    action: LabelValue = ""
+    variant: LabelValue = ""
+    mode: LabelValue = ""
     targets_done: int = 0
     targets_noop: int = 0
     errors: list[str] = Field(default_factory=list)

@@ -126,3 +126,18 @@ def test_every_fitted_id_is_a_node_id(raw):
     from kvguard.contracts.node_id import fit_node_id, node_id_problem
 
     assert node_id_problem(fit_node_id(raw)) is None
+
+
+@pytest.mark.parametrize("kind, field, record", [
+    ("alerts", "name", {"ts_ns": 1, "tier": "threshold", "severity": "warning"}),
+    ("alerts", "severity", {"ts_ns": 1, "name": "X", "tier": "threshold"}),
+    ("acks", "outcome", {"command_id": "c", "executed_at_ns": 1}),
+])
+def test_a_value_the_exporter_writes_as_a_label_is_bounded(kind, field, record):
+    long = {"schema": "1.0", "node": "n/gpu0", **record, field: "x" * 10_000}
+    with pytest.raises(DecodeError) as err:
+        decode(kind, orjson.dumps(long))
+    assert err.value.reason == "invalid" and field in err.value.detail
+    odd = {"schema": "1.0", "node": "n/gpu0", **record, field: "a\nb"}
+    with pytest.raises(DecodeError):
+        decode(kind, orjson.dumps(odd))
