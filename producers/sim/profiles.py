@@ -27,7 +27,7 @@ from kvguard.producers.sim.vllm import memory as vllm_engine_memory
 from kvguard.producers.sim.vllm.scheduler import SchedulerConfig
 from kvguard.producers.vllm.step_memory import SAMPLING_MODES, ModelShape, RunnerConfig
 
-ENGINES = ("seed", "vllm")
+ENGINES = ("seed", "vllm", "sglang")
 
 
 class ProfileError(ValueError):
@@ -77,7 +77,8 @@ class Profile:
     host_bandwidth_bytes_per_s: float
     engine: str = "seed"
     vllm: VllmSpec | None = None
-    memory: object | None = None  # vLLM engine: the measured ``sim.vllm.memory.MemoryLedger``
+    memory: object | None = None  # vLLM engine: the measured ``sim.vllm.memory.MemoryLedger`` (SGLang: its ledger)
+    sglang: object | None = None  # SGLang engine: ``sim.sglang.profile.SglangSpec``
 
     @property
     def unit_tokens(self) -> int:
@@ -93,7 +94,7 @@ class Profile:
     def workspace_units(self, batched_tokens: int) -> int:
         """Units of the contiguous workspace buffer one step with ``batched_tokens`` needs (0 for the
         vLLM engine: its activations live in the caching allocator, outside the KV blocks)."""
-        if self.engine == "vllm":
+        if not self.activation_bytes_per_token:
             return 0
         return max(1, -(-batched_tokens * self.activation_bytes_per_token // self.geometry.unit_bytes))
 
@@ -115,6 +116,11 @@ def profile_from_dict(name: str, d: dict) -> Profile:
         raise ProfileError(name, "engine", f"one of {list(ENGINES)}, got {engine!r}")
     if engine == "vllm":
         return _vllm_profile(name, d)
+    if engine == "sglang":
+        # an import cycle: the SGLang profile parser builds this module's Profile
+        from kvguard.producers.sim.sglang.profile import sglang_profile
+
+        return sglang_profile(name, d, engine)
     for f in _FIELDS_INT + _FIELDS_FLOAT + ("page_class_tokens",):
         if f not in d:
             raise ProfileError(name, f, "present")
@@ -266,7 +272,7 @@ def prompt_cap_tokens(profile: Profile) -> int | None:
     this rule): the seed engine caps prompts that could never fit one GPU's KV region (said in the
     workload notes); the vLLM engine takes them as they are and rejects those over ``max_model_len``,
     as vLLM does (None)."""
-    if profile.engine == "vllm":
+    if profile.engine in ("vllm", "sglang"):
         return None
     return min(profile.max_model_len - 1024, int(profile.capacity_tokens * 0.6))
 

@@ -1,7 +1,8 @@
 """The shadow fleet's engines by kind: the only place an engine kind is named.
 
 A profile names its engine (``Profile.engine``); ``make_engine`` builds it. ``"vllm"`` is the
-vLLM-faithful engine (``kvguard.producers.sim.vllm.engine``), the default; ``"seed"`` is the seed's
+vLLM-faithful engine (``kvguard.producers.sim.vllm.engine``), the default; ``"sglang"`` the
+SGLang-faithful engine (``kvguard.producers.sim.sglang.engine``); ``"seed"`` is the seed's
 engine over its paged pool (``kvguard.producers.sim.seed``), kept for comparison only.
 """
 
@@ -12,10 +13,11 @@ from kvguard.producers.sim.profiles import Profile
 from kvguard.producers.sim.seed.engine import Engine as SeedEngine
 from kvguard.producers.sim.seed.engine import SeedEngineConfig
 from kvguard.producers.sim.seed.pool import PagedPool
+from kvguard.producers.sim.sglang.engine import SglangEngine, SglangEngineConfig
 from kvguard.producers.sim.vllm.engine import VllmEngine, VllmEngineConfig
 
-NodeConfig = VllmEngineConfig | SeedEngineConfig
-SimEngine = VllmEngine | SeedEngine
+NodeConfig = VllmEngineConfig | SeedEngineConfig | SglangEngineConfig
+SimEngine = VllmEngine | SeedEngine | SglangEngine
 
 
 def make_engine(profile: Profile, node: str, *, seed: int = 0, config: NodeConfig | None = None) -> SimEngine:
@@ -25,6 +27,10 @@ def make_engine(profile: Profile, node: str, *, seed: int = 0, config: NodeConfi
         if isinstance(config, SeedEngineConfig):
             config = VllmEngineConfig(restart_s=config.restart_s)
         return VllmEngine(profile, node=node, seed=seed, config=config)
+    if profile.engine == "sglang":
+        if not isinstance(config, SglangEngineConfig):
+            config = SglangEngineConfig(restart_s=config.restart_s) if config is not None else None
+        return SglangEngine(profile, node=node, seed=seed, config=config)
     if config is not None and not isinstance(config, SeedEngineConfig):
         raise ValueError(f"profile {profile.name!r} runs the seed engine: config must be a SeedEngineConfig, "
                          f"got {type(config).__name__}")

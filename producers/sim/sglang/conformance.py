@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -79,8 +80,6 @@ class SglangMissing(ImportError):
 
 
 def _kvguard_record(s: Scheduler, out: StepOutcome) -> dict:
-    import zlib
-
     return {"kind": out.kind, "prefill": [list(x) for x in out.prefill], "decode": out.decode,
             "retracted": out.retracted, "aborted": out.aborted, "finished": out.finished,
             "available": s.pool.available_size(), "evictable": s.tree.evictable_size(),

@@ -31,6 +31,7 @@ run when Triton is installed (then nothing needs standing in).
 from __future__ import annotations
 
 import enum
+import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -166,10 +167,9 @@ def install() -> list[str]:
     for name in ("triton", "torchvision", "IPython"):
         if name not in sys.modules and importlib.util.find_spec(name) is not None:
             raise RuntimeError(f"{name} is installed: run SGLang with it, not with kvguard's stand-in")
-    import importlib as _importlib
-
     for probe in _TORCH_PROBES:
-        _importlib.import_module(probe)
+        importlib.import_module(probe)
+    # torch is imported by the probes above, before the stand-in exists (the point of the order)
     from torch.utils._triton import has_triton_package
 
     if has_triton_package():

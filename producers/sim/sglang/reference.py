@@ -38,6 +38,7 @@ def _free_list_crc(allocator) -> int:
 
 
 def main() -> int:
+    # SGLang may only be imported after the stand-ins are in place, and only in this subprocess
     from kvguard.producers.sim.sglang import cpu_imports
 
     stood_in = cpu_imports.install()

@@ -197,6 +197,8 @@ class Scheduler:
         self.requests: dict[int, Req] = {}
         self.num_retracted = self.num_aborted = 0
         self._refresh_calls = 0
+        self.chunked_prefill_size = config.chunked_prefill_size  # Scheduler.chunked_prefill_size (a cap may lower it)
+        self.admission_headroom_tokens = 0  # kvguard's headroom: tokens admission sees as taken
 
     # ------------------------------------------------------------------ input
     def add_request(self, rid: int, tokens: Sequence[int], max_new_tokens: int) -> Refused | None:
@@ -526,12 +528,13 @@ class _Adder:
         c = s.config
         self.page_size = c.page_size
         self.rem_input = c.max_prefill_tokens
-        self.rem_chunk = c.chunked_prefill_size
+        self.rem_chunk = s.chunked_prefill_size
         self.can_run: list[Req] = []
         self.new_chunked: Req | None = None
         ratio = s.ratio.current
-        self.total_offset = sum(min(r.max_new_tokens - len(r.output), CLIP_MAX_NEW_TOKENS) * ratio for r in s.running)
-        self.current_offset = 0
+        self.total_offset = s.admission_headroom_tokens + sum(
+            min(r.max_new_tokens - len(r.output), CLIP_MAX_NEW_TOKENS) * ratio for r in s.running)
+        self.current_offset = s.admission_headroom_tokens
 
     def ceil_page(self, tokens: int) -> int:
         return -(-tokens // self.page_size) * self.page_size
