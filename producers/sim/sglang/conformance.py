@@ -72,6 +72,11 @@ def conformance_requests(requests: Iterable[Request], step_duration_s: float = 0
     return out
 
 
+def _python() -> list[str]:
+    """The interpreter that runs SGLang's side: this one (SGLang is installed in kvguard's venv)."""
+    return [sys.executable]
+
+
 class SglangMissing(ImportError):
     def __init__(self, detail: str):
         super().__init__(f"the SGLang conformance check needs sglang=={SGLANG_VERSION_FOLLOWED} and the packages its "
@@ -106,7 +111,7 @@ def run_conformance(requests: Iterable[Request], *, config: SchedulerConfig, max
             "requests": [r.to_json() for r in reqs], "max_steps": max_steps, "tree": tree}
     t0 = time.perf_counter()
     env = dict(os.environ, PYTHONWARNINGS="ignore", SGLANG_LOGGING_LEVEL="ERROR")
-    proc = subprocess.run([sys.executable, "-m", "kvguard.producers.sim.sglang.reference"], input=json.dumps(spec),
+    proc = subprocess.run([*_python(), "-m", "kvguard.producers.sim.sglang.reference"], input=json.dumps(spec),
                           capture_output=True, text=True, timeout=timeout_s, env=env)
     sglang_s = time.perf_counter() - t0
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]

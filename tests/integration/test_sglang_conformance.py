@@ -1,0 +1,86 @@
+"""kvguard's SGLang scheduler against SGLang 0.5.23's own classes, step by step
+(producers.sim.sglang.conformance, which runs SGLang in a subprocess on CPU with the stand-ins of
+producers.sim.sglang.cpu_imports), with prefix hits, chunked prefill, pages of 1, 4 and 16 tokens,
+both radix trees SGLang has (the Python RadixCache and the UnifiedRadixCache with its Rust core that
+0.5.23's scheduler builds), and enough KV pressure to retract.
+
+Tolerance: none. Every step must be the same kind, prefill the same requests with the same cached
+prefix and extend length in order, decode the same requests, retract, abort and finish the same
+ones, leave the same free, evictable and protected token counts, the same new_token_ratio (1e-12),
+and the allocator's free-page list in the same order (its checksum). A last test breaks kvguard's
+page order on purpose and checks the harness sees it.
+
+Needs sglang (``scripts/install-sglang-cpu.sh .venv``, run by ``make venv``); without it these tests
+fail with the install command, they are not skipped. About 15 s a case on 2 cores (~10 s of it
+importing SGLang in the subprocess).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from kvguard.producers.sim.sglang import conformance as sglang_conformance
+from kvguard.producers.sim.sglang.conformance import SglangMissing, run_conformance
+from kvguard.producers.sim.sglang.scheduler import SchedulerConfig
+from kvguard.producers.sim.sglang.token_pool import TokenPool
+from kvguard.producers.sim.workloads import Request, load_workload, mix_hash
+
+
+def long_outputs(n: int = 90) -> list[Request]:
+    """Prompts sharing half their tokens in four families, outputs of 200-1100 tokens: the admission
+    budget over-commits as new_token_ratio decays, so decode runs short and retracts."""
+    out = []
+    for i in range(n):
+        h = mix_hash(i, 7)
+        prompt = 100 + h % 700
+        hashes = tuple(mix_hash(i % 4, k) for k in range(prompt // 128))
+        out.append(Request(i + 1, int(i * 0.075e9), prompt, 200 + (h >> 20) % 900, None, hashes))
+    return out
+
+
+CASES = [
+    pytest.param(lambda: long_outputs(), {"max_total_num_tokens": 6000, "page_size": 4, "chunked_prefill_size": 512},
+                 "radix", {"retracted": 3, "prefix_hit_tokens": 10_000}, id="retractions-page4-radix"),
+    pytest.param(lambda: long_outputs(120), {"max_total_num_tokens": 3000, "page_size": 16, "chunked_prefill_size": 1024},
+                 "unified", {"retracted": 1, "prefix_hit_tokens": 1000}, id="retractions-page16-unified"),
+    pytest.param(lambda: load_workload("mooncake-sample", rate_scale=10, window=3).requests,
+                 {"max_total_num_tokens": 8000, "page_size": 4, "chunked_prefill_size": 2048},
+                 "unified", {"retracted": 0, "prefix_hit_tokens": 15_000}, id="mooncake-chunked-unified"),
+    pytest.param(lambda: load_workload("azure-conv", rate_scale=4, window=10).requests,
+                 {"max_total_num_tokens": 6000, "page_size": 1, "chunked_prefill_size": 2048},
+                 "radix", {"retracted": 1, "prefix_hit_tokens": 10_000}, id="azure-conv-page1-radix"),
+]
+
+
+@pytest.mark.parametrize("make, settings, tree, at_least", CASES)
+def test_kvguard_schedules_every_step_exactly_as_sglang(make, settings, tree, at_least):
+    config = SchedulerConfig(max_running_requests=32, max_prefill_tokens=16384, context_len=8192, **settings)
+    r = run_conformance(make(), config=config, max_steps=3000, tree=tree)
+    assert r["sglang_version"] == r["kvguard_follows"] == "0.5.23"
+    assert r["sglang_tree"] == {"radix": "RadixCache", "unified": "UnifiedRadixCache"}[tree]
+    assert r["steps"] == r["sglang_steps"] > 1000, r
+    assert r["first_mismatch"] is None, r["first_mismatch"]
+    assert r["mismatch_steps"] == 0 and r["ratio_max_abs_diff"] <= 1e-12
+    assert r["retracted"] >= at_least["retracted"] and r["prefix_hit_tokens"] >= at_least["prefix_hit_tokens"]
+    assert r["prefill_steps"] > 10 and r["decode_steps"] > 500 and r["finished"] > 10
+    assert set(r["stood_in"]) >= {"triton", "torchvision", "IPython"}
+
+
+def test_the_harness_catches_a_pool_that_hands_out_freed_pages_in_another_order(monkeypatch):
+    def free_to_the_tail(self, pages):  # SGLang puts freed pages at the head when pages are larger than a token
+        self.free_pages.extend(pages)
+
+    monkeypatch.setattr(TokenPool, "free_pages_of", free_to_the_tail)
+    config = SchedulerConfig(max_total_num_tokens=6000, page_size=4, max_running_requests=32, chunked_prefill_size=512,
+                             context_len=8192)
+    r = run_conformance(long_outputs(40), config=config, max_steps=600)
+    assert r["first_mismatch"] is not None and "free_crc" in r["first_mismatch"]["differs"]
+
+
+def test_without_sglang_the_harness_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(sglang_conformance, "_python", lambda: [sys.executable, "-S", "-I"])
+    config = SchedulerConfig(max_total_num_tokens=600, page_size=1, max_running_requests=4, context_len=1024)
+    with pytest.raises(SglangMissing, match="install-sglang-cpu.sh"):
+        run_conformance(long_outputs(2), config=config, max_steps=5)
