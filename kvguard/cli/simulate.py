@@ -220,6 +220,9 @@ def simulate(
     rate_scale: float = typer.Option(1.0, "--rate-scale", help="Multiply the arrival rate (inter-arrival times / X), "
                                                                "0 < X <= 1000."),
     profile: str = typer.Option(None, "--profile", help="Model/GPU profile (default: the profiles file's default)."),
+    engine: str = typer.Option(None, "--engine", help="Engine the shadow fleet runs: vllm, sglang or seed (the "
+                                                      "catalogue's default profile of that engine; with --profile, "
+                                                      "the profile must be of that engine)."),
     seed: int = typer.Option(0, "--seed", help="Seed for synthetic arrivals and scenarios."),
     events_out: Path = typer.Option(None, "--events-out", help="Write the event log (gzip JSON lines) here."),
     drain: bool = typer.Option(True, "--drain/--no-drain", help="After the window, run until in-flight work ends."),
@@ -242,17 +245,26 @@ def simulate(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvguard.producers.sim.profiles import EngineKnobs, ProfileError
+    from kvguard.producers.sim.profiles import EngineKnobs, ProfileError, default_profile_name, load_profile
     from kvguard.producers.sim.workloads import WorkloadError
 
     check_rate_scale(rate_scale)
+    err = Console(stderr=True)
+    if engine is not None:
+        try:
+            if profile is None:
+                profile = default_profile_name(engine)
+            elif load_profile(profile).engine != engine:
+                raise ProfileError(profile, "engine", f"{engine!r} (--engine), got {load_profile(profile).engine!r}")
+        except ProfileError as e:
+            err.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2) from None
     if not 0.0 <= prompt_logprobs_frac <= 1.0:
         raise typer.BadParameter(f"expected a share in [0, 1], got {prompt_logprobs_frac}",
                                  param_hint="--prompt-logprobs-frac")
     knobs = EngineKnobs(gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
                         allocator_conf=alloc_conf)
     duration_s = parse_duration(duration) if duration else None
-    err = Console(stderr=True)
     bar = Progress(TextColumn("simulating"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} sim s"),
                    TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal)
     task = bar.add_task("sim", total=1.0)

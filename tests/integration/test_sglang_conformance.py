@@ -84,3 +84,16 @@ def test_without_sglang_the_harness_says_how_to_install_it(monkeypatch):
     config = SchedulerConfig(max_total_num_tokens=600, page_size=1, max_running_requests=4, context_len=1024)
     with pytest.raises(SglangMissing, match="install-sglang-cpu.sh"):
         run_conformance(long_outputs(2), config=config, max_steps=5)
+
+
+def test_kvguard_conformance_sglang_reports_no_mismatch_and_exits_0():
+    from typer.testing import CliRunner
+
+    import kvguard.cli  # noqa: F401 - registers the commands
+    from kvguard.cli.app import app
+
+    result = CliRunner().invoke(app, ["conformance", "sglang", "--workload", "azure-conv", "--rate-scale", "4",
+                                      "--duration", "10s", "--page-size", "4", "--max-steps", "400", "--json"])
+    assert result.exit_code == 0, result.output
+    r = [__import__("json").loads(x) for x in result.output.splitlines() if x.startswith("{")][-1]
+    assert r["steps"] == 400 and r["mismatch_steps"] == 0 and r["config"]["page_size"] == 4
