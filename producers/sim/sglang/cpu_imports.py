@@ -8,8 +8,8 @@ driven code never calls:
 
 - ``triton`` (about 1 GB installed): ``sglang/srt/utils/common.py`` imports it at top level, and
   ~115 kernels across ``mem_cache``, ``layers`` and ``kernels`` are decorated ``@triton.jit`` /
-  ``@triton.autotune`` at import (with ``triton.Config`` lists, ``tl.constexpr`` annotations and
-  ``triton.language.extra.libdevice``). On CPU SGLang launches none of them:
+  ``@triton.autotune`` at import (with ``triton.Config`` lists, ``tl.constexpr`` / ``tl.tensor``
+  annotations, ``tl.uint32``-style dtype constants and ``triton.language.extra.libdevice``). On CPU SGLang launches none of them:
   ``current_platform.capabilities.supports_triton`` is False, so the paged allocator runs
   ``alloc_extend_naive`` / ``alloc_decode_naive`` and the req-to-token writes take their torch path.
   A stub kernel raises ``RuntimeError`` when launched or called, so a driven path that did reach one

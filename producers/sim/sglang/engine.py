@@ -50,6 +50,15 @@ from kvguard.producers.sim.sglang.kv import PagePoolView, RecordingListener
 from kvguard.producers.sim.sglang.scheduler import SGLANG_VERSION_FOLLOWED, Scheduler, SchedulerConfig
 from kvguard.producers.sim.vllm.kv import EventRecorder
 from kvguard.producers.sim.workloads import Request
+from kvguard.producers.sglang.actions import SGLANG_CAPABILITY_FIELDS
+
+# The engine port's Capabilities of this engine (kvguard.contracts.engine, branch port): the plugin's
+# (producers.sglang.actions.SGLANG_CAPABILITY_FIELDS) less empty_cache, which needs an allocator twin.
+SGLANG_SHADOW_CAPABILITY_FIELDS = {
+    **SGLANG_CAPABILITY_FIELDS, "empty_cache": False,
+    "notes": (*SGLANG_CAPABILITY_FIELDS["notes"],
+              ("empty_cache", "the SGLang shadow engine has no caching-allocator twin: nothing to return")),
+}
 
 _ARRIVE, _FINISH, _FILL, _STEP = int(EventKind.ARRIVE), int(EventKind.FINISH), int(EventKind.FILL), int(EventKind.STEP)
 _COMPLETED, _FAILED, _REJECTED, _ABORTED = (int(Outcome.COMPLETED), int(Outcome.FAILED_OOM), int(Outcome.REJECTED),
