@@ -22,7 +22,13 @@ import sys
 import pytest
 
 from kvguard.producers.sim.sglang import conformance as sglang_conformance
-from kvguard.producers.sim.sglang.conformance import SglangMissing, run_conformance
+from kvguard.producers.sim.sglang.conformance import (
+    SglangMissing,
+    compare,
+    conformance_requests,
+    run_conformance,
+    sglang_traces,
+)
 from kvguard.producers.sim.sglang.scheduler import SchedulerConfig
 from kvguard.producers.sim.sglang.token_pool import TokenPool
 from kvguard.producers.sim.workloads import Request, load_workload, mix_hash
@@ -40,24 +46,41 @@ def long_outputs(n: int = 90) -> list[Request]:
     return out
 
 
-CASES = [
-    pytest.param(lambda: long_outputs(), {"max_total_num_tokens": 6000, "page_size": 4, "chunked_prefill_size": 512},
-                 "radix", {"retracted": 3, "prefix_hit_tokens": 10_000}, id="retractions-page4-radix"),
-    pytest.param(lambda: long_outputs(120), {"max_total_num_tokens": 3000, "page_size": 16, "chunked_prefill_size": 1024},
-                 "unified", {"retracted": 1, "prefix_hit_tokens": 1000}, id="retractions-page16-unified"),
-    pytest.param(lambda: load_workload("mooncake-sample", rate_scale=10, window=3).requests,
-                 {"max_total_num_tokens": 8000, "page_size": 4, "chunked_prefill_size": 2048},
-                 "unified", {"retracted": 0, "prefix_hit_tokens": 15_000}, id="mooncake-chunked-unified"),
-    pytest.param(lambda: load_workload("azure-conv", rate_scale=4, window=10).requests,
-                 {"max_total_num_tokens": 6000, "page_size": 1, "chunked_prefill_size": 2048},
-                 "radix", {"retracted": 1, "prefix_hit_tokens": 10_000}, id="azure-conv-page1-radix"),
-]
+CASES = {
+    "retractions-page4-radix": (lambda: long_outputs(), {"max_total_num_tokens": 6000, "page_size": 4,
+                                                         "chunked_prefill_size": 512},
+                                "radix", {"retracted": 3, "prefix_hit_tokens": 10_000}),
+    "retractions-page16-unified": (lambda: long_outputs(120), {"max_total_num_tokens": 3000, "page_size": 16,
+                                                               "chunked_prefill_size": 1024},
+                                   "unified", {"retracted": 1, "prefix_hit_tokens": 1000}),
+    "mooncake-chunked-unified": (lambda: load_workload("mooncake-sample", rate_scale=10, window=3).requests,
+                                 {"max_total_num_tokens": 8000, "page_size": 4, "chunked_prefill_size": 2048},
+                                 "unified", {"retracted": 0, "prefix_hit_tokens": 15_000}),
+    "azure-conv-page1-radix": (lambda: load_workload("azure-conv", rate_scale=4, window=10).requests,
+                               {"max_total_num_tokens": 6000, "page_size": 1, "chunked_prefill_size": 2048},
+                               "radix", {"retracted": 1, "prefix_hit_tokens": 10_000}),
+}
 
 
-@pytest.mark.parametrize("make, settings, tree, at_least", CASES)
-def test_kvguard_schedules_every_step_exactly_as_sglang(make, settings, tree, at_least):
+def case_inputs(name: str):
+    make, settings, tree, _ = CASES[name]
     config = SchedulerConfig(max_running_requests=32, max_prefill_tokens=16384, context_len=8192, **settings)
-    r = run_conformance(make(), config=config, max_steps=3000, tree=tree)
+    return conformance_requests(make()), config, tree
+
+
+@pytest.fixture(scope="module")
+def traces() -> dict:
+    """SGLang's side of every case, in one subprocess (one import of SGLang for all)."""
+    inputs = {name: case_inputs(name) for name in CASES}
+    specs = [sglang_conformance._spec(reqs, config, 3000, tree) for reqs, config, tree in inputs.values()]
+    return dict(zip(CASES, zip(sglang_traces(specs), inputs.values())))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kvguard_schedules_every_step_exactly_as_sglang(traces, name):
+    trace, (reqs, config, tree) = traces[name]
+    at_least = CASES[name][3]
+    r = compare(trace, reqs, config, tree)
     assert r["sglang_version"] == r["kvguard_follows"] == "0.5.23"
     assert r["sglang_tree"] == {"radix": "RadixCache", "unified": "UnifiedRadixCache"}[tree]
     assert r["steps"] == r["sglang_steps"] > 1000, r
@@ -68,15 +91,29 @@ def test_kvguard_schedules_every_step_exactly_as_sglang(make, settings, tree, at
     assert set(r["stood_in"]) >= {"triton", "torchvision", "IPython"}
 
 
-def test_the_harness_catches_a_pool_that_hands_out_freed_pages_in_another_order(monkeypatch):
+def test_the_harness_catches_a_pool_that_hands_out_freed_pages_in_another_order(traces, monkeypatch):
     def free_to_the_tail(self, pages):  # SGLang puts freed pages at the head when pages are larger than a token
         self.free_pages.extend(pages)
 
     monkeypatch.setattr(TokenPool, "free_pages_of", free_to_the_tail)
-    config = SchedulerConfig(max_total_num_tokens=6000, page_size=4, max_running_requests=32, chunked_prefill_size=512,
-                             context_len=8192)
-    r = run_conformance(long_outputs(40), config=config, max_steps=600)
+    trace, (reqs, config, tree) = traces["retractions-page4-radix"]
+    r = compare(trace, reqs, config, tree)
     assert r["first_mismatch"] is not None and "free_crc" in r["first_mismatch"]["differs"]
+
+
+def test_the_harness_catches_admission_that_ignores_new_token_ratio(traces, monkeypatch):
+    from kvguard.producers.sim.sglang import scheduler
+
+    original = scheduler._Adder.__init__
+
+    def no_decode_reservation(self, s):
+        original(self, s)
+        self.total_offset = s.admission_headroom_tokens  # forgets the running requests' future decode tokens
+
+    monkeypatch.setattr(scheduler._Adder, "__init__", no_decode_reservation)
+    trace, (reqs, config, tree) = traces["retractions-page4-radix"]
+    r = compare(trace, reqs, config, tree)
+    assert r["first_mismatch"] is not None and "kind" in r["first_mismatch"]["differs"]
 
 
 def test_without_sglang_the_harness_says_how_to_install_it(monkeypatch):

@@ -96,38 +96,57 @@ EXACT = ("kind", "prefill", "decode", "retracted", "aborted", "finished", "avail
          "free_crc")
 
 
-def run_conformance(requests: Iterable[Request], *, config: SchedulerConfig, max_steps: int = 20_000,
-                    step_duration_s: float = 0.025, tree: str = "radix", timeout_s: float = 600.0) -> dict:
-    """Drive SGLang's classes (subprocess) and kvguard's scheduler over ``requests``; compare every step."""
+def _spec(reqs: list[ConformanceRequest], config: SchedulerConfig, max_steps: int, tree: str) -> dict:
     if tree not in TREES:
         raise ValueError(f"tree: expected one of {TREES}, got {tree!r}")
-    reqs = conformance_requests(requests, step_duration_s)
-    spec = {"config": {"page_size": config.page_size, "max_total_num_tokens": config.max_total_num_tokens,
+    return {"config": {"page_size": config.page_size, "max_total_num_tokens": config.max_total_num_tokens,
                        "max_running_requests": config.max_running_requests,
                        "max_prefill_tokens": config.max_prefill_tokens,
                        "chunked_prefill_size": config.chunked_prefill_size,
                        "schedule_conservativeness": config.schedule_conservativeness,
                        "context_len": config.context_len},
             "requests": [r.to_json() for r in reqs], "max_steps": max_steps, "tree": tree}
+
+
+@dataclass(slots=True)
+class SglangTrace:
+    """What SGLang's side did for one case: its start record, one record per step, its end record."""
+
+    start: dict
+    steps: list[dict]
+    end: dict
+    wall_s: float
+
+
+def sglang_traces(cases: list[dict], timeout_s: float = 600.0) -> list[SglangTrace]:
+    """Run SGLang's side of each case spec (``_spec``) in one subprocess."""
     t0 = time.perf_counter()
     env = dict(os.environ, PYTHONWARNINGS="ignore", SGLANG_LOGGING_LEVEL="ERROR")
-    proc = subprocess.run([*_python(), "-m", "kvguard.producers.sim.sglang.reference"], input=json.dumps(spec),
-                          capture_output=True, text=True, timeout=timeout_s, env=env)
-    sglang_s = time.perf_counter() - t0
+    proc = subprocess.run([*_python(), "-m", "kvguard.producers.sim.sglang.reference"],
+                          input=json.dumps({"cases": cases}), capture_output=True, text=True, timeout=timeout_s,
+                          env=env)
+    wall = (time.perf_counter() - t0) / max(1, len(cases))
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     if proc.returncode != 0 or not lines or lines[0].get("type") != "start":
         if "No module named" in proc.stderr or "sglang" not in proc.stdout:
             raise SglangMissing(proc.stderr or proc.stdout)
         raise RuntimeError(f"the SGLang side failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-    start, theirs = lines[0], [x for x in lines if x.get("type") == "step"]
-    end = next((x for x in lines if x.get("type") == "end"), {})
+    out = []
+    for case in range(len(cases)):
+        mine = [x for x in lines if x.get("case") == case]
+        out.append(SglangTrace(next(x for x in mine if x["type"] == "start"), [x for x in mine if x["type"] == "step"],
+                               next((x for x in mine if x["type"] == "end"), {}), wall))
+    return out
 
+
+def compare(trace: SglangTrace, reqs: list[ConformanceRequest], config: SchedulerConfig, tree: str) -> dict:
+    """kvguard's scheduler over the same arrivals, step for step against ``trace``."""
     t1 = time.perf_counter()
     s = Scheduler(config)
     pending = list(reqs)
-    tally = _Tally(start)
+    tally = _Tally(trace.start)
     clock = 0
-    for theirs_step in theirs:
+    for theirs in trace.steps:
         if pending and not s.requests:
             clock = max(clock, pending[0].arrival_step)
         arrivals = []
@@ -136,11 +155,19 @@ def run_conformance(requests: Iterable[Request], *, config: SchedulerConfig, max
             arrivals.append([r.rid, s.add_request(r.rid, r.tokens, r.max_new_tokens) is None])
         ours = _kvguard_record(s, s.step())
         ours["arrivals"] = arrivals
-        tally.compare(theirs_step, ours)
+        tally.compare(theirs, ours)
         clock += 1
-    kvguard_s = time.perf_counter() - t1
-    return tally.report(config, tree, len(reqs), end, unfinished=len(s.requests),
-                        wall={"sglang_subprocess": round(sglang_s, 3), "kvguard": round(kvguard_s, 3)})
+    return tally.report(config, tree, len(reqs), trace.end, unfinished=len(s.requests),
+                        wall={"sglang_subprocess": round(trace.wall_s, 3),
+                              "kvguard": round(time.perf_counter() - t1, 3)})
+
+
+def run_conformance(requests: Iterable[Request], *, config: SchedulerConfig, max_steps: int = 20_000,
+                    step_duration_s: float = 0.025, tree: str = "radix", timeout_s: float = 600.0) -> dict:
+    """Drive SGLang's classes (subprocess) and kvguard's scheduler over ``requests``; compare every step."""
+    reqs = conformance_requests(requests, step_duration_s)
+    (trace,) = sglang_traces([_spec(reqs, config, max_steps, tree)], timeout_s)
+    return compare(trace, reqs, config, tree)
 
 
 class _Tally:

@@ -3,7 +3,9 @@
 Run as a subprocess (``python -m kvguard.producers.sim.sglang.reference``) by
 ``producers.sim.sglang.conformance``: importing SGLang patches transformers and publishes process-wide
 configuration, which must not leak into kvguard's process. Reads one JSON object on stdin (the
-config and the requests, each with its arrival step) and writes one JSON line per engine step.
+config and the requests, each with its arrival step; or ``{"cases": [...]}`` of them, run one after
+the other with a fresh set of SGLang's objects each, so several checks pay for one import) and
+writes one JSON line per engine step.
 
 What is SGLang's (0.5.23, installed ``--no-deps`` by ``scripts/install-sglang-cpu.sh``): the KV pool
 (``MHATokenToKVPool`` on CPU tensors), the allocators (``TokenToKVPoolAllocator`` /
@@ -253,17 +255,16 @@ class Reference:
         return out
 
 
-def main() -> int:
-    # SGLang may only be imported after the stand-ins are in place, and only in this subprocess
-    from kvguard.producers.sim.sglang import cpu_imports
-
-    stood_in = cpu_imports.install()
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
-    spec = json.load(sys.stdin)
+def run_case(spec: dict, case: int, stood_in: list[str]) -> None:
+    """One spec (config, requests, max_steps, tree): its start, step and end records, tagged ``case``."""
     ref = Reference(spec["config"], spec.get("tree", "radix"))
-    print(json.dumps({"type": "start", "sglang_version": ref.version, "tree": type(ref.tree).__name__,
-                      "stood_in": stood_in, "ratio": [ref.ratio.init, ref.ratio.min, ref.ratio.decay]}), flush=True)
+
+    def emit(record: dict) -> None:
+        record["case"] = case
+        print(json.dumps(record), flush=True)
+
+    emit({"type": "start", "sglang_version": ref.version, "tree": type(ref.tree).__name__, "stood_in": stood_in,
+          "ratio": [ref.ratio.init, ref.ratio.min, ref.ratio.decay]})
     pending = list(spec["requests"])
     clock = steps = 0
     while steps < spec["max_steps"]:
@@ -278,10 +279,22 @@ def main() -> int:
         record = ref.step()
         record["type"] = "step"
         record["arrivals"] = arrivals
-        print(json.dumps(record), flush=True)
+        emit(record)
         steps += 1
         clock += 1
-    print(json.dumps({"type": "end", "steps": steps, "unfinished": len(ref.unfinished)}), flush=True)
+    emit({"type": "end", "steps": steps, "unfinished": len(ref.unfinished)})
+
+
+def main() -> int:
+    # SGLang may only be imported after the stand-ins are in place, and only in this subprocess
+    from kvguard.producers.sim.sglang import cpu_imports
+
+    stood_in = cpu_imports.install()
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    spec = json.load(sys.stdin)
+    for case, one in enumerate(spec["cases"] if "cases" in spec else [spec]):
+        run_case(one, case, stood_in)
     return 0
 
 
