@@ -39,18 +39,24 @@ def scrape(
 ) -> None:
     """Scrape an engine's metrics into ticks with the threshold and slope tiers on U_kv.
 
-    Every --interval, per engine in the exposition: U_kv, preemptions, running/waiting requests and what else the
-    engine exports. vLLM: vllm:kv_cache_usage_perc, preemptions, prefix-cache hit rate, token throughput, TTFT
-    p50/p99. SGLang: sglang:num_used_tokens / sglang:max_total_num_tokens (else sglang:token_usage), retractions
-    (its preemption), cache hit rate, new_token_ratio, the CUDA-graph flag, used/free/evictable tokens. TensorRT-LLM:
-    trtllm_kv_cache_used_blocks / _max_blocks (else trtllm_kv_cache_utilization), paused requests, device memory
-    in use; or, from the JSON /metrics, the same fields of the last iteration (that read empties its queue). A series
-    the scrape reads that the exposition lacks is named in the tick's scrape.missing_series.
+    Every --interval, per engine in the exposition: U_kv, preemptions,
+    running/waiting requests and what else the engine exports. vLLM:
+    vllm:kv_cache_usage_perc, preemptions, prefix-cache hit rate, token
+    throughput, TTFT p50/p99. SGLang: sglang:num_used_tokens /
+    sglang:max_total_num_tokens (else sglang:token_usage), retractions (its
+    preemption), cache hit rate, new_token_ratio, the CUDA-graph flag,
+    used/free/evictable tokens. TensorRT-LLM: trtllm_kv_cache_used_blocks /
+    _max_blocks (else trtllm_kv_cache_utilization), paused requests, device
+    memory in use; or, from the JSON /metrics, the same fields of the last
+    iteration (that read empties its queue). A series the scrape reads that
+    the exposition lacks is named in the tick's scrape.missing_series.
 
-    What is missing without the plugin: no allocator state (the alloc_* figures, OOMs), no F_ext and no F_int (vLLM
-    exports no free-block layout or token fill), hence no Ψ and no fragmentation rule; no request ids (no victims, so
-    the policy cannot act on these ticks); no P(OOM) (the model is trained on the plugin's full features); and one
-    sample per scrape instead of every engine step.
+    What is missing without the plugin: no allocator state (the alloc_*
+    figures, OOMs), no F_ext and no F_int (vLLM exports no free-block layout
+    or token fill), hence no Ψ and no fragmentation rule; no request ids (no
+    victims, so the policy cannot act on these ticks); no P(OOM) (the model
+    is trained on the plugin's full features); and one sample per scrape
+    instead of every engine step.
     """
     from kvguard.cli.simulate import parse_duration
     from kvguard.config.settings import ConfigError, Settings
