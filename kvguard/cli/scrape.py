@@ -7,9 +7,8 @@ import asyncio
 import json
 import sys
 import time
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 import typer
 

@@ -210,7 +210,7 @@ def attach(scheduler: Any, **kwargs: Any) -> SglangPlugin:
     scheduler._kvguard_plugin = plugin
     _plugins.append(plugin)
     _by_tree[id(scheduler.tree_cache)] = plugin
-    retract = getattr(plugin.executor_engine, "evict_request")
+    retract = plugin.executor_engine.evict_request
 
     def evict_and_record(req, now_ns, **kw):
         result = retract(req, now_ns, **kw)

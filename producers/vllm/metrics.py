@@ -27,8 +27,16 @@ from dataclasses import dataclass, field
 
 from kvguard.producers.exposition import MetricsParseError, Sample, histogram_quantile, parse_exposition, value_of
 
-__all__ = ["MetricsParseError", "Sample", "histogram_quantile", "parse_exposition", "vllm_engines", "interval",
-           "EngineMetrics", "Interval"]
+__all__ = [
+    "EngineMetrics",
+    "Interval",
+    "MetricsParseError",
+    "Sample",
+    "histogram_quantile",
+    "interval",
+    "parse_exposition",
+    "vllm_engines",
+]
 
 USAGE = "vllm:kv_cache_usage_perc"
 RUNNING = "vllm:num_requests_running"

@@ -26,7 +26,6 @@ def main() -> int:
     from array import array
 
     import torch
-
     from sglang.srt.disaggregation.kv_events import EventPublisherFactory, KVEventBatch
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams

@@ -26,7 +26,6 @@ def main() -> int:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvguard-sglang-prom-")
     spec = json.load(sys.stdin)
     from prometheus_client import CollectorRegistry, generate_latest, multiprocess
-
     from sglang.srt.runtime_context import get_context
 
     server_args = get_context().override_server_args(enable_metrics=True, device="cpu").install()

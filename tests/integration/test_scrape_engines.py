@@ -70,7 +70,7 @@ def trtllm_prometheus_texts() -> list[str]:
         for name, value in (("kv_cache_utilization", used / 1000), ("kv_cache_used_blocks", used),
                             ("kv_cache_free_blocks", 1000 - used), ("num_requests_waiting", i),
                             ("num_paused_requests", i // 2)):
-            text = re.sub(rf"^(trtllm_{name}\{{[^}}]*\}}) \S+$", rf"\g<1> {float(value)}", text, flags=re.M)
+            text = re.sub(rf"^(trtllm_{name}\{{[^}}]*\}}) \S+$", rf"\g<1> {float(value)}", text, flags=re.MULTILINE)
         out.append(text)
     return out
 
@@ -183,7 +183,7 @@ def test_a_missing_or_renamed_sglang_series_is_reported_by_name(sglang_expositio
         ticks, _, code = scrape(url, "sglang", count=2)
     assert code == 0 and ticks[-1]["scrape"]["missing_series"] == ["sglang:num_retracted_requests_total",
                                                                      "sglang:new_token_ratio"]
-    no_kv = [re.sub(r"^sglang:(token_usage|num_used_tokens)\{.*$", "", t, flags=re.M) for t in sglang_expositions]
+    no_kv = [re.sub(r"^sglang:(token_usage|num_used_tokens)\{.*$", "", t, flags=re.MULTILINE) for t in sglang_expositions]
     with Serve(no_kv) as url:
         result = CliRunner().invoke(app, ["scrape", "--url", url, "--engine", "sglang", "--interval", "100ms",
                                           "--count", "1", "--json"])
@@ -227,6 +227,6 @@ def test_kvguard_scrape_reads_trtllm_json_iteration_stats_and_says_when_none_cam
 
 def test_unprefixed_trtllm_names_are_read_and_a_dropped_series_is_named():
     text = trtllm_prometheus_texts()[-1].replace("trtllm_", "")
-    text = re.sub(r"^num_paused_requests\{.*$", "", text, flags=re.M)
+    text = re.sub(r"^num_paused_requests\{.*$", "", text, flags=re.MULTILINE)
     (m,) = read_prometheus(parse_exposition(text))
     assert not m.prefixed and m.u_kv == pytest.approx(0.97) and m.missing == ["num_paused_requests"]

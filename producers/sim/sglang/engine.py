@@ -44,13 +44,13 @@ from kvguard.contracts.dimensions import Granularity
 from kvguard.contracts.events import F_PRIORITY_DEFAULTED, EventKind, Handling, Outcome
 from kvguard.contracts.pool_types import EvictResult, PageInfo
 from kvguard.contracts.units import DEFAULT_PRIORITY, NS_PER_S
+from kvguard.producers.sglang.actions import SGLANG_CAPABILITY_FIELDS
 from kvguard.producers.sim.run import GRANULARITIES, RunningView, RunSummary, SeqState, slo_fields
 from kvguard.producers.sim.sglang.conformance import prompt_tokens
 from kvguard.producers.sim.sglang.kv import PagePoolView, RecordingListener
-from kvguard.producers.sim.sglang.scheduler import SGLANG_VERSION_FOLLOWED, Scheduler, SchedulerConfig
+from kvguard.producers.sim.sglang.scheduler import SGLANG_VERSION_FOLLOWED, Scheduler
 from kvguard.producers.sim.vllm.kv import EventRecorder
 from kvguard.producers.sim.workloads import Request
-from kvguard.producers.sglang.actions import SGLANG_CAPABILITY_FIELDS
 
 # The engine port's Capabilities of this engine (kvguard.contracts.engine, branch port): the plugin's
 # (producers.sglang.actions.SGLANG_CAPABILITY_FIELDS) less empty_cache, which needs an allocator twin.

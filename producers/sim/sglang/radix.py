@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 
 class Node:
-    __slots__ = ("children", "parent", "key", "pages", "lock_ref", "last_access", "id")
+    __slots__ = ("children", "id", "key", "last_access", "lock_ref", "pages", "parent")
 
     def __init__(self, node_id: int, last_access: int):
         self.children: dict[tuple[int, ...], Node] = {}

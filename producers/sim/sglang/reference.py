@@ -50,7 +50,6 @@ class Reference:
     def __init__(self, c: dict, tree_kind: str = "radix"):
         # SGLang and torch: importable only in the subprocess, after the stand-ins
         import torch
-
         from sglang.srt.runtime_context import get_context
 
         page, pool_tokens = c["page_size"], c["max_total_num_tokens"]
