@@ -50,7 +50,7 @@ CASES = {
     "retractions-page4-radix": (lambda: long_outputs(), {"max_total_num_tokens": 6000, "page_size": 4,
                                                          "chunked_prefill_size": 512},
                                 "radix", {"retracted": 3, "prefix_hit_tokens": 10_000}),
-    "retractions-page16-unified": (lambda: long_outputs(120), {"max_total_num_tokens": 3000, "page_size": 16,
+    "retractions-page16-unified": (lambda: long_outputs(120), {"max_total_num_tokens": 3008, "page_size": 16,
                                                                "chunked_prefill_size": 1024},
                                    "unified", {"retracted": 1, "prefix_hit_tokens": 1000}),
     "mooncake-chunked-unified": (lambda: load_workload("mooncake-sample", rate_scale=10, window=3).requests,
@@ -118,7 +118,7 @@ def test_the_harness_catches_admission_that_ignores_new_token_ratio(traces, monk
 
 def test_without_sglang_the_harness_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(sglang_conformance, "_python", lambda: [sys.executable, "-S", "-I"])
-    config = SchedulerConfig(max_total_num_tokens=600, page_size=1, max_running_requests=4, context_len=1024)
+    config = SchedulerConfig(max_total_num_tokens=608, page_size=1, max_running_requests=4, context_len=1024)
     with pytest.raises(SglangMissing, match="install-sglang-cpu.sh"):
         run_conformance(long_outputs(2), config=config, max_steps=5)
 

@@ -89,6 +89,9 @@ class SchedulerConfig:
         if self.page_size <= 0 or self.max_total_num_tokens < self.page_size:
             raise ValueError(f"page_size {self.page_size} and a pool of {self.max_total_num_tokens} tokens: "
                              "the pool must hold at least one page")
+        if self.max_total_num_tokens % self.page_size:
+            raise ValueError(f"max_total_num_tokens {self.max_total_num_tokens} is not a whole number of pages of "
+                             f"{self.page_size} (SGLang sizes the pool in whole pages)")
         if self.max_running_requests <= 0 or self.max_prefill_tokens <= 0:
             raise ValueError("max_running_requests and max_prefill_tokens must be positive")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < self.page_size:
