@@ -52,15 +52,22 @@ def main() -> int:
     import logging
 
     logging.disable(logging.WARNING)
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
-    hooked = {name: hasattr(getattr(cls, name), "__wrapped__") for cls, name in
-              ((Scheduler, "__init__"), (Scheduler, "get_next_batch_to_run"), (Scheduler, "get_prefill_adder_class"),
-               (ScheduleBatch, "retract_decode"))}
+    targets = ((Scheduler, "__init__"), (Scheduler, "get_next_batch_to_run"), (Scheduler, "get_prefill_adder_class"),
+               (ScheduleBatch, "retract_decode"))
+    before = {name: getattr(cls, name) for cls, name in targets}
+    load_plugins()
+    from kvguard.producers.sglang.plugin import HOOKS
+
+    ours = {hook for _, hook, _ in HOOKS}
+    registered = {target.rsplit(".", 1)[-1] for target, hooks in HookRegistry._hooks.items()
+                  if any(h in ours for _, h, _ in hooks)}
+    # a method is hooked when SGLang's registry replaced it after kvguard registered a hook on it
+    hooked = {name: getattr(cls, name) is not before[name] and name in registered for cls, name in targets}
 
     from kvguard.contracts.events import EventKind
     from kvguard.producers.sglang import plugin as sglang_plugin
