@@ -1,6 +1,6 @@
 """kvguard's SGLang plugin: request, retraction and KV-page events from inside a running SGLang scheduler.
 
-SGLang (0.5.11 and later) loads general plugins in each of its processes (``sglang.srt.plugins.
+SGLang (0.5.11 and later; the plugin is checked against 0.5.23) loads general plugins in each of its processes (``sglang.srt.plugins.
 load_plugins``, entry-point group ``sglang.srt.plugins``; ``SGLANG_PLUGINS=kvguard`` restricts the
 set) and calls ``register()`` here, which registers hooks with SGLang's ``HookRegistry``:
 
@@ -47,6 +47,7 @@ from kvguard.producers.vllm.translator import BatchSink, BlockTruth, VllmEventTr
 log = logging.getLogger("kvguard.sglang")
 
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
+CHECKED_VERSION = "0.5.23"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 _OFF = ("0", "false", "no", "off")
@@ -282,7 +283,11 @@ def register() -> None:
     if os.environ.get("KVGUARD_SGLANG_PLUGIN", "").lower() in _OFF:
         log.info("kvguard: SGLang plugin off (KVGUARD_SGLANG_PLUGIN)")
         return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # sglang: this runs inside SGLang
+    from sglang import __version__  # sglang: this runs inside SGLang
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    if __version__.split("+")[0] != CHECKED_VERSION:
+        log.warning("kvguard's SGLang plugin was checked against SGLang %s; this is %s: the hooks are registered, "
+                    "the request and pool fields it reads may differ", CHECKED_VERSION, __version__)
     for target, hook, kind in HOOKS:
         HookRegistry.register(target, hook, HookType[kind])
