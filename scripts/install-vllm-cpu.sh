@@ -124,7 +124,7 @@ fi
 # Smoke test: the modules kvguard's conformance test imports, and a ModelConfig built as
 # producers/sim/vllm/conformance.py builds it (vLLM inspects the architecture in a subprocess that imports
 # its Llama module, which needs einops: a missing pin fails here, not in the tests).
-MODEL_DIR="$(cd "$(dirname "$0")/.." && pwd)/producers/data/vllm_model"
+MODEL_DIR="$(cd "$(dirname "$0")/.." && pwd)/producers/sim/data/vllm_model"
 "$PY" - "$MODEL_DIR" <<'EOF'
 import sys
 

@@ -1,7 +1,9 @@
-"""`kvguard conformance vllm`: kvguard's scheduler against vLLM's own v1 scheduler, step by step.
+"""`kvguard conformance vllm|sglang`: kvguard's schedulers against vLLM's v1 scheduler and SGLang's, step by step.
 
-Needs vLLM's scheduler on CPU (`scripts/install-vllm-cpu.sh .venv`, done by `make venv`); no GPU,
-no model weights. The comparison itself is ``kvguard.producers.sim.vllm.conformance``.
+Needs vLLM's scheduler on CPU (`scripts/install-vllm-cpu.sh .venv`) and SGLang's scheduler modules
+(`scripts/install-sglang-cpu.sh .venv`), both done by `make venv`; no GPU, no model weights. The
+comparisons themselves are ``kvguard.producers.sim.vllm.conformance`` and
+``kvguard.producers.sim.sglang.conformance``.
 """
 
 from __future__ import annotations
@@ -82,4 +84,67 @@ def vllm(
         if result.get("first_mismatch"):
             typer.echo(f"first mismatch: {json.dumps(result['first_mismatch'], default=str)}")
     if result.get("scheduled_mismatch_frac") or result.get("usage_max_abs_diff"):
+        raise typer.Exit(1)
+
+
+@conformance_app.command("sglang")
+def sglang(
+    workload: str = typer.Option("azure-conv", "--workload", help="Scenario or trace (see kvguard simulate)."),
+    rate_scale: float = typer.Option(4.0, "--rate-scale", min=0.01, max=1000.0, help="Arrival-rate multiplier."),
+    duration: str = typer.Option("10s", "--duration", help="Arrivals within this window (e.g. 90s, 5m)."),
+    max_total_tokens: int = typer.Option(6000, "--max-total-tokens", min=16,
+                                         help="The KV pool in tokens on both sides (SGLang's --max-total-tokens)."),
+    page_size: int = typer.Option(1, "--page-size", min=1, help="SGLang's --page-size."),
+    max_running_requests: int = typer.Option(32, "--max-running-requests", min=1),
+    chunked_prefill_size: int = typer.Option(2048, "--chunked-prefill-size",
+                                             help="SGLang's --chunked-prefill-size (-1: off)."),
+    max_prefill_tokens: int = typer.Option(16384, "--max-prefill-tokens", min=1),
+    schedule_conservativeness: float = typer.Option(1.0, "--schedule-conservativeness", min=0.01),
+    context_length: int = typer.Option(8192, "--context-length", min=16),
+    tree: str = typer.Option("radix", "--tree", help="SGLang's tree: radix (RadixCache) or unified "
+                                                      "(UnifiedRadixCache, what 0.5.23's scheduler builds)."),
+    max_steps: int = typer.Option(3000, "--max-steps", min=1, help="Stop after this many engine steps."),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Drive SGLang 0.5.23's own scheduler classes and kvguard's model of them with the same requests; compare
+    every step.
+
+    Compared: the batch (prefill requests with cached prefix and extend length, or the decoding ones),
+    retracted, aborted and finished requests, free/evictable/protected tokens, new_token_ratio and the
+    allocator's free-page order. Exit status 1 on any mismatch, 2 when SGLang is not installed
+    (scripts/install-sglang-cpu.sh .venv).
+    """
+    # SGLang runs in a subprocess; the harness itself is light
+    from kvguard.cli.simulate import parse_duration
+    from kvguard.producers.sim.sglang.conformance import TREES, SglangMissing, run_conformance
+    from kvguard.producers.sim.sglang.scheduler import SchedulerConfig
+    from kvguard.producers.sim.workloads import WorkloadError, load_workload
+
+    if tree not in TREES:
+        raise typer.BadParameter(f"expected one of {list(TREES)}, got {tree!r}", param_hint="--tree")
+    try:
+        wl = load_workload(workload, rate_scale=rate_scale, window=parse_duration(duration), seed=seed)
+        config = SchedulerConfig(max_total_num_tokens=max_total_tokens, page_size=page_size,
+                                 max_running_requests=max_running_requests, max_prefill_tokens=max_prefill_tokens,
+                                 chunked_prefill_size=None if chunked_prefill_size == -1 else chunked_prefill_size,
+                                 schedule_conservativeness=schedule_conservativeness, context_len=context_length)
+    except (WorkloadError, ValueError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        result = run_conformance(wl.requests, config=config, max_steps=max_steps, tree=tree)
+    except SglangMissing as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    result["workload"] = {"name": workload, "rate_scale": rate_scale, "requests": len(wl.requests)}
+    if json_out:
+        sys.stdout.write(json.dumps(result, default=str) + "\n")
+    else:
+        typer.echo(f"{result['steps']} steps, {result['requests']} requests, SGLang {result['sglang_version']} "
+                   f"({result['sglang_tree']}): mismatching steps {result['mismatch_steps']}, retracted "
+                   f"{result['retracted']}, prefix-hit tokens {result['prefix_hit_tokens']}, finished {result['finished']}")
+        if result["first_mismatch"]:
+            typer.echo(f"first mismatch: {json.dumps(result['first_mismatch'], default=str)}")
+    if result["mismatch_steps"]:
         raise typer.Exit(1)

@@ -1,4 +1,4 @@
-"""`kvguard ingest`: other sources' records as kvguard input (vLLM KV events, PyTorch memory snapshots)."""
+"""`kvguard ingest`: other sources' records as kvguard input (vLLM and SGLang KV events, PyTorch memory snapshots)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import typer
 from kvguard.cli.app import app
 
 ingest_app = typer.Typer(name="ingest", no_args_is_help=True, add_completion=False,
-                         help="Turn other tools' records into kvguard input: vLLM's KV-event stream, PyTorch "
-                              "memory snapshots.")
+                         help="Turn other tools' records into kvguard input: vLLM's and SGLang's KV-event streams, "
+                              "PyTorch memory snapshots.")
 app.add_typer(ingest_app, name="ingest")
 
 
@@ -38,6 +38,35 @@ def vllm_kv_events(
     physical block ids, request ids or reference counts, so no U_kv, no F_ext or F_int, no allocator state and no
     victims for the policy. For those attach the plugin (pip install 'kvguard[vllm]'); for U_kv alone, `kvguard scrape`.
     """
+    _follow_kv_events(endpoint, replay, topic, interval, duration, from_seq, as_json, engine="vLLM")
+
+
+@ingest_app.command("sglang-kv-events")
+def sglang_kv_events(
+    endpoint: str = typer.Option(..., "--endpoint", help="SGLang's KV-event PUB socket, e.g. tcp://host:5557 "
+                                                         "(--kv-events-config endpoint; DP rank r publishes on port + r)."),
+    replay: str = typer.Option(None, "--replay", help="SGLang's replay ROUTER socket, e.g. tcp://host:5558 "
+                                                      "(replay_endpoint): sequence gaps are filled from it."),
+    topic: str = typer.Option("", "--topic", help="Topic prefix to subscribe to (--kv-events-config topic)."),
+    interval: str = typer.Option("5s", "--interval", help="How often to print the figures."),
+    duration: str = typer.Option(None, "--duration", help="Stop after this long (default: run until Ctrl-C)."),
+    from_seq: int = typer.Option(None, "--from-seq", help="Treat this sequence number as the start: earlier "
+                                                          "gaps are filled from --replay (default: the first received)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per interval (and one at the end)."),
+) -> None:
+    """Follow SGLang's KV-cache events (BlockStored / BlockRemoved / AllBlocksCleared, one hash per page) and print
+    radix-cache figures.
+
+    SGLang's publisher speaks vLLM's wire format (same frames, msgpack batches and replay), so the same reader and
+    gap handling apply. What the events give: the pages entering and leaving SGLang's radix cache, per medium
+    (GPU, or HiCache's host and disk tiers). What they cannot give: page ids, request ids, lock counts, free pages:
+    no U_kv, F_ext, F_int or victims. For U_kv, `kvguard scrape --engine sglang`; for everything, the node plugin.
+    """
+    _follow_kv_events(endpoint, replay, topic, interval, duration, from_seq, as_json, engine="SGLang")
+
+
+def _follow_kv_events(endpoint: str, replay: str | None, topic: str, interval: str, duration: str | None,
+                      from_seq: int | None, as_json: bool, *, engine: str) -> None:
     from kvguard.cli.simulate import parse_duration
     from kvguard.producers.vllm.kv_events import KvEventsSubscriber, PrefixCacheState
 
@@ -50,7 +79,8 @@ def vllm_kv_events(
     try:
         subscriber = KvEventsSubscriber(endpoint, replay, topic=topic, from_seq=from_seq)
     except ImportError as exc:
-        typer.echo(f"error: reading vLLM KV events needs pyzmq and msgspec (pip install 'kvguard[vllm]'): {exc}",
+        typer.echo(f"error: reading {engine} KV events needs pyzmq and msgspec "
+                   f"(pip install 'kvguard[{engine.lower()}]'): {exc}",
                    err=True)
         raise typer.Exit(2) from None
     except Exception as exc:  # noqa: BLE001 - zmq.ZMQError for a malformed endpoint: one line, no traceback

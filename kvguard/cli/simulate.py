@@ -119,6 +119,9 @@ def simulate(
     rate_scale: float = typer.Option(1.0, "--rate-scale", help="Multiply the arrival rate (inter-arrival times / X), "
                                                                "0 < X <= 1000."),
     profile: str = typer.Option(None, "--profile", help="Model/GPU profile (default: the profiles file's default)."),
+    engine: str = typer.Option(None, "--engine", help="Engine the shadow fleet runs: vllm, sglang or seed (the "
+                                                      "catalogue's default profile of that engine; with --profile, "
+                                                      "the profile must be of that engine)."),
     seed: int = typer.Option(0, "--seed", help="Seed for synthetic arrivals and scenarios."),
     events_out: Path = typer.Option(None, "--events-out", help="Write the event log (gzip JSON lines) here."),
     drain: bool = typer.Option(True, "--drain/--no-drain", help="After the window, run until in-flight work ends."),
@@ -214,13 +217,23 @@ def simulate(
 
     from kvguard.producers.sim.bench_serve import BenchArgsError
     from kvguard.producers.sim.model_config import ModelConfigError, UnsupportedArchitecture
-    from kvguard.producers.sim.profiles import ProfileError
+    from kvguard.producers.sim.profiles import ProfileError, default_profile_name, load_profile
     from kvguard.producers.sim.vllm.external import ScheduleError
     from kvguard.producers.sim.vllm.memory import StartupRefused
     from kvguard.producers.sim.workloads import WorkloadError
     from kvguard.runtime.simulation import EventLogFailed, run_simulation
 
     check_rate_scale(rate_scale)
+    err = Console(stderr=True)
+    if engine is not None:
+        try:
+            if profile is None:
+                profile = default_profile_name(engine)
+            elif load_profile(profile).engine != engine:
+                raise ProfileError(profile, "engine", f"{engine!r} (--engine), got {load_profile(profile).engine!r}")
+        except ProfileError as e:
+            err.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2) from None
     if not 0.0 <= prompt_logprobs_frac <= 1.0:
         raise typer.BadParameter(f"expected a share in [0, 1], got {prompt_logprobs_frac}",
                                  param_hint="--prompt-logprobs-frac")
@@ -243,9 +256,8 @@ def simulate(
                               num_prompts, seed, ignore_eos, max_concurrency, request_rate, burstiness)
         schedules = external_schedules(neighbour, leak)
     except (ProfileError, ModelConfigError, UnsupportedArchitecture, BenchArgsError, ScheduleError) as e:
-        Console(stderr=True).print(f"[red]error:[/] {e}", soft_wrap=True)
+        err.print(f"[red]error:[/] {e}", soft_wrap=True)
         raise typer.Exit(2) from None
-    err = Console(stderr=True)
     bar = Progress(TextColumn("simulating"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} sim s"),
                    TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal)
     task = bar.add_task("sim", total=1.0)

@@ -80,7 +80,8 @@ class Profile:
     host_bandwidth_bytes_per_s: float
     engine: str  # the engine kind that runs it (a key of producers.sim.registry.KINDS)
     vllm: VllmSpec | None = None
-    memory: object | None = None  # vLLM engine: the measured ``sim.vllm.memory.MemoryLedger``
+    memory: object | None = None  # vLLM engine: the measured ``sim.vllm.memory.MemoryLedger`` (SGLang: its ledger)
+    sglang: object | None = None  # SGLang engine: ``sim.sglang.profile.SglangSpec``
 
     @property
     def unit_tokens(self) -> int:

@@ -33,8 +33,15 @@ def _load(path: str | None) -> dict:
     return json.loads(text)
 
 
-def default_profile_name() -> str:
-    return _load(None)["default"]
+def default_profile_name(engine: str | None = None) -> str:
+    """The catalogue's default profile, or its default for the engine kind ``engine``."""
+    data = _load(None)
+    if engine is None:
+        return data["default"]
+    by_engine = data.get("default_by_engine", {})
+    if engine not in by_engine:
+        raise ProfileError(engine, "engine", f"one of {sorted(by_engine)} (the kinds the catalogue has a default for)")
+    return by_engine[engine]
 
 
 def profile_names(path: str | None = None) -> list[str]:

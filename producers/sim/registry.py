@@ -10,6 +10,8 @@ A profile names its engine kind (``Profile.engine``; ``DEFAULT_KIND`` when its J
   start-up knobs (``EngineKnobs``).
 
 ``"vllm"`` is the vLLM-faithful engine (``kvguard.producers.sim.vllm``), the default profiles' kind;
+``"sglang"`` the SGLang-faithful engine (``kvguard.producers.sim.sglang``), checked against SGLang's own
+Python;
 ``"seed"`` is the seed's engine over its paged pool (``kvguard.producers.sim.seed``), quarantined for
 comparison: this module is the only one that imports it. A new engine is one more entry here, and
 the contract suite (tests/contract/test_engine_port.py) runs over every entry.
@@ -28,11 +30,13 @@ from kvguard.producers.sim.seed.engine import Engine as SeedEngine
 from kvguard.producers.sim.seed.engine import SeedEngineConfig
 from kvguard.producers.sim.seed.pool import PagedPool
 from kvguard.producers.sim.seed.profile import seed_profile, seed_prompt_cap_tokens
+from kvguard.producers.sim.sglang.engine import SglangEngine, SglangEngineConfig
+from kvguard.producers.sim.sglang.profile import sglang_profile
 from kvguard.producers.sim.vllm.engine import VllmEngine, VllmEngineConfig
 from kvguard.producers.sim.vllm.profile import apply_vllm_knobs, vllm_profile, vllm_prompt_cap_tokens
 
-NodeConfig = VllmEngineConfig | SeedEngineConfig
-SimEngine = VllmEngine | SeedEngine
+NodeConfig = VllmEngineConfig | SeedEngineConfig | SglangEngineConfig
+SimEngine = VllmEngine | SeedEngine | SglangEngine
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,6 +75,17 @@ def _build_vllm(profile: Profile, node: str, seed: int, config: Any) -> VllmEngi
     return VllmEngine(profile, node=node, seed=seed, config=config)
 
 
+def _build_sglang(profile: Profile, node: str, seed: int, config: Any) -> SglangEngine:
+    if config is not None and not isinstance(config, SglangEngineConfig):  # another kind's restart time carries over
+        config = SglangEngineConfig(restart_s=config.restart_s)
+    return SglangEngine(profile, node=node, seed=seed, config=config)
+
+
+def _no_prompt_cap(profile: Profile) -> int | None:
+    """SGLang takes prompts as they come and rejects those over its context length (None)."""
+    return None
+
+
 def _build_seed(profile: Profile, node: str, seed: int, config: Any) -> SeedEngine:
     if config is not None and not isinstance(config, SeedEngineConfig):
         raise ValueError(f"profile {profile.name!r} runs the seed engine: config must be a SeedEngineConfig, "
@@ -81,6 +96,7 @@ def _build_seed(profile: Profile, node: str, seed: int, config: Any) -> SeedEngi
 KINDS: dict[str, EngineKind] = {
     "vllm": EngineKind("vllm", VllmEngine, VllmEngineConfig, _build_vllm, vllm_profile, vllm_prompt_cap_tokens,
                        apply_vllm_knobs),
+    "sglang": EngineKind("sglang", SglangEngine, SglangEngineConfig, _build_sglang, sglang_profile, _no_prompt_cap),
     "seed": EngineKind("seed", SeedEngine, SeedEngineConfig, _build_seed, seed_profile, seed_prompt_cap_tokens),
 }
 DEFAULT_KIND = "seed"  # a profile object without "engine" (the seed's own profiles predate the field)

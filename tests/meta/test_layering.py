@@ -49,7 +49,8 @@ PUBLIC = {
 # Rooms inside the node side. What runs inside a production engine (the plugin, the CUDA observer,
 # the sinks, the publisher, snapshot ingest) never imports the shadow fleet; the seed's engine is
 # quarantined: only the registry builds it.
-PRODUCTION_ROOMS = ("kvguard.producers.vllm", "kvguard.producers.torch_cuda", "kvguard.producers.sinks",
+PRODUCTION_ROOMS = ("kvguard.producers.vllm", "kvguard.producers.sglang", "kvguard.producers.trtllm",
+                    "kvguard.producers.exposition", "kvguard.producers.torch_cuda", "kvguard.producers.sinks",
                     "kvguard.producers.publisher", "kvguard.producers.torch_snapshot")
 SIM = "kvguard.producers.sim"
 QUARANTINED = "kvguard.producers.sim.seed"

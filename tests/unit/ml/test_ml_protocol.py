@@ -162,7 +162,7 @@ def test_dataset_caps_prompts_as_simulate_does(monkeypatch):
 
     for name in profile_names():
         profile = load_profile(name)
-        want = None if profile.engine == "vllm" else min(profile.max_model_len - 1024,
+        want = None if profile.engine in ("vllm", "sglang") else min(profile.max_model_len - 1024,
                                                          int(profile.capacity_tokens * 0.6))
         assert prompt_cap_tokens(profile) == want, name
     seen = {}
