@@ -186,19 +186,20 @@ def print_plan(report: dict) -> None:
 
 def _print_classes(console, report: dict, u: float) -> None:
     from rich import box
-    from rich.table import Table
-
     from rich.markup import escape
+    from rich.table import Table
 
     from kvguard.ops.plan import ClassLimit, class_sentence
 
-    table = Table(title=f"Request classes at {u:g}: the largest step that fits", box=box.SIMPLE_HEAD,
+    table = Table(title=f"Request classes at {u:g}: the largest step that fits (tensors: its own peak there; "
+                        f"margin: what the device still had at its worst moment)", box=box.SIMPLE_HEAD,
                   header_style="bold", title_justify="left", pad_edge=False)
-    for col, just in (("class", "left"), ("declared", "right"), ("limit", "right"), ("tensors at limit", "right"),
+    for col, just in (("class", "left"), ("declared", "right"), ("limit", "right"), ("tensors", "right"),
                       ("headroom", "right"), ("margin", "right"), ("", "left")):
         table.add_column(col, justify=just, no_wrap=True)
+    unit = {"tokens": "tok", "sequences": "seq"}
     for c in report["classes"]:
-        declared = "-" if c["declared"] is None else f"{c['declared']:,} {c['unit']}"
+        declared = "-" if c["declared"] is None else f"{c['declared']:,} {unit[c['unit']]}"
         verdict = {True: "[green]fits[/]", False: "[red]OOMs[/]", None: ""}[c["declared_fits"]]
         table.add_row(c["name"] + (f" ({c['share']:g})" if c["share"] is not None else ""), declared,
                       _limit(c), "-" if c["refused"] else _gib(c["peak_bytes"]), _gib(c["headroom_bytes"]),
@@ -241,6 +242,10 @@ def _print_boundary(console, report: dict) -> None:
                       f"{b['max_num_batched_tokens_searched'][0]:,} to {b['max_num_batched_tokens_searched'][1]:,})")
 
 
+SHORT = {"full_step": "full step", "prompt_logprobs": "prompt lp", "logprobs": "logprobs", "long_context": "long ctx",
+         "spec_decode": "spec"}
+
+
 def _print_what_if(console, report: dict) -> None:
     from rich import box
     from rich.table import Table
@@ -248,19 +253,21 @@ def _print_what_if(console, report: dict) -> None:
     rows = report["what_if"]
     if not rows:
         return
-    names = [c["name"] for c in report["classes"] if not c["refused"]]
-    table = Table(title="What if: gpu_memory_utilization", box=box.SIMPLE_HEAD, header_style="bold",
-                  title_justify="left", pad_edge=False)
-    for col in ("util", "KV cache", "KV tokens", "concurrency", "headroom", *names):
+    names = [c["name"] for c in rows[0]["classes"] if not c["refused"]] if rows[0]["classes"] else \
+        [c["name"] for c in report["classes"] if not c["refused"]]
+    table = Table(title="What if: gpu_memory_utilization (each class's limit; all: every size fits)",
+                  box=box.SIMPLE_HEAD, header_style="bold", title_justify="left", pad_edge=False)
+    for col in ("util", "KV cache", "KV tokens", "headroom", *(SHORT[n] for n in names)):
         table.add_column(col, justify="right", no_wrap=True)
     for row in rows:
         s = row["startup"]
         if s["refused"]:
             reason = "refused: KV cache" if s["refused_for_kv_cache"] else (
                 "refused: free memory" if "less than desired" in s["refused"] else "crashes at start")
-            table.add_row(f"{s['gpu_memory_utilization']:g}", reason, *[""] * (3 + len(names)))
+            table.add_row(f"{s['gpu_memory_utilization']:g}", reason, *[""] * (2 + len(names)))
             continue
-        limits = {c["name"]: _limit(c) for c in row["classes"]}
+        limits = {c["name"]: ("all" if c["unlimited"] else "none" if c["limit"] is None else f"{c['limit']:,}")
+                  for c in row["classes"]}
         table.add_row(f"{s['gpu_memory_utilization']:g}", _gib(s["kv_cache_bytes"]), f"{s['kv_cache_tokens']:,}",
-                      f"{s['max_concurrency']:.2f}x", _gib(s["headroom_bytes"]), *[limits.get(n, "") for n in names])
+                      _gib(s["headroom_bytes"]), *[limits.get(n, "") for n in names])
     console.print(table)

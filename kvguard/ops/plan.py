@@ -13,6 +13,9 @@ class of ``ops.traffic.CLASSES`` has a step shape parameterised by one size (``R
   prefill chunk as large as the token budget allows with every other seat decoding, and its decode among
   ``max_num_seqs`` decodes (``_long_context_step``).
 
+``full_step`` (``BASELINE``) is no traffic class but every server's busiest ordinary step (the whole token budget
+over ``n`` sampling sequences); every setting search requires it besides the declared classes.
+
 A class's limit is the largest ``n`` whose step fits (bisection; each class's peak grows with ``n``); its
 margin is the headroom left less the step's own peak at that size. The setting searches bisect too: as
 ``gpu_memory_utilization`` rises vLLM first refuses for too small a KV cache, then starts, then some class
@@ -129,6 +132,15 @@ def _spec_step(n: int, cfg: ServerConfig, startup: Startup, cls: TrafficClass) -
                   num_draft_tokens=(k,) * n),)
 
 
+def _full_step(n: int, cfg: ServerConfig, startup: Startup, cls: TrafficClass) -> tuple[Batch, ...]:
+    """Ordinary traffic at its busiest: the whole token budget over ``n`` sequences that all sample (one
+    prompt's last chunk takes the tokens the ``n - 1`` decodes leave)."""
+    chunk = max(1, cfg.max_num_batched_tokens - (n - 1))
+    context = _decode_context(cfg, startup, n)
+    return (Batch((chunk,) + (1,) * (n - 1), (max(chunk, min(context, cfg.max_model_len - 1)),) + (context,) * (n - 1),
+                  sampling=cfg.sampling),)
+
+
 def _long_context_step(n: int, cfg: ServerConfig, startup: Startup, cls: TrafficClass) -> tuple[Batch, ...]:
     """A request at context ``n`` in the busiest steps it takes part in: its last prefill chunk at the size
     that still leaves every other seat decoding (the most tokens with the most sequences), and its decode
@@ -159,7 +171,7 @@ class RequestClass:
 
     @property
     def summary(self) -> str:
-        return CLASSES[self.name].summary
+        return CLASSES[self.name].summary if self.name in CLASSES else BASELINE_SUMMARY
 
 
 def _no_spec(cfg: ServerConfig, cls: TrafficClass) -> str | None:
@@ -177,7 +189,13 @@ def _too_many_logprobs(cfg: ServerConfig, cls: TrafficClass) -> str | None:
     return None
 
 
+BASELINE = "full_step"  # not a traffic class: every server's own busiest ordinary step, always required
+BASELINE_SUMMARY = "ordinary traffic at its busiest: the whole token budget, every sequence sampling"
+
 REQUEST_CLASSES: dict[str, RequestClass] = {c.name: c for c in (
+    RequestClass(BASELINE, "sequences", _full_step,
+                 largest=lambda cfg, s: min(cfg.max_num_seqs, cfg.max_num_batched_tokens),
+                 declared=lambda cfg, cls: min(cfg.max_num_seqs, cfg.max_num_batched_tokens)),
     RequestClass("prompt_logprobs", "tokens", _prompt_logprobs_step,
                  largest=lambda cfg, s: min(cfg.max_num_batched_tokens, cfg.max_model_len - 1),
                  declared=lambda cfg, cls: cls.shape if cls.shape is not None else cfg.max_model_len - 1,
@@ -272,8 +290,9 @@ def class_limit(server: Server, cls: TrafficClass, declared: bool = True) -> Cla
 
 
 def declared_fit(server: Server, classes: tuple[TrafficClass, ...]) -> bool:
-    """Whether every declared class fits at its declared size (one step each, no search)."""
-    for cls in classes:
+    """Whether the server's busiest ordinary step (``BASELINE``) and every declared class fit at their declared
+    sizes (one step each, no search)."""
+    for cls in (TrafficClass(BASELINE),) + tuple(classes):
         spec = REQUEST_CLASSES[cls.name]
         cfg = server.config
         if spec.refusal(cfg, cls) is not None:
@@ -424,12 +443,14 @@ def class_sentence(limit: ClassLimit, utilization: float) -> str:
     if limit.limit is None:
         return f"{limit.name}: every such request OOMs at {u} (even the smallest step does not fit)"
     if limit.unlimited:
-        return {"prompt_logprobs": f"prompt_logprobs: no prompt OOMs at {u} (each step computes at most "
+        return {BASELINE: f"full_step: a full step of {limit.largest:,} sequences fits at {u}","prompt_logprobs": f"prompt_logprobs: no prompt OOMs at {u} (each step computes at most "
                                    f"{limit.largest:,} prompt positions)",
                 "logprobs": f"logprobs: a full batch of {limit.largest:,} sequences fits at {u}",
                 "spec_decode": f"spec_decode: a full batch of {limit.largest:,} verifying sequences fits at {u}",
                 "long_context": f"long_context: every context up to {limit.largest:,} tokens fits at {u}"}[limit.name]
-    return {"prompt_logprobs": f"prompts over {limit.limit:,} tokens with prompt_logprobs will OOM at {u}",
+    return {BASELINE: f"full steps of more than {limit.limit:,} sampling sequences will OOM at {u}: ordinary "
+                      f"traffic, before any class",
+            "prompt_logprobs": f"prompts over {limit.limit:,} tokens with prompt_logprobs will OOM at {u}",
             "logprobs": f"more than {limit.limit:,} sequences with logprobs in one step will OOM at {u}",
             "spec_decode": f"more than {limit.limit:,} sequences verifying drafts in one step will OOM at {u}",
             "long_context": f"contexts over {limit.limit:,} tokens will OOM at {u} in a full step (the last prefill "

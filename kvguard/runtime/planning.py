@@ -14,7 +14,7 @@ server's logged budget, and the plan they give.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from kvguard.ops import plan as ops_plan
 from kvguard.ops.plan import Plan, ServerConfig, Startup
@@ -48,7 +48,7 @@ class ModelSettings:
 
     engine_args: EngineArgs | None = None
     profile_name: str | None = None
-    knobs: EngineKnobs = EngineKnobs()
+    knobs: EngineKnobs = field(default_factory=EngineKnobs)
     total_bytes: int | None = None  # the GPU as a log states it (overrides the flags' GPU)
     max_model_len: int | None = None  # as a log states it, when the flags leave it unset
 
@@ -180,6 +180,19 @@ def log_start(settings: ModelSettings, log: LogBudget, model_runner: str, baseli
                           num_speculative_tokens=spec.num_speculative_tokens)
     u_log = log.gpu_memory_utilization
     memo: dict = {}
+
+    def logged(ledger, headroom: int | None) -> Startup:
+        """The start-up at the log's own setting: the log's figures where it prints them."""
+        pick = lambda printed, computed: printed if printed is not None else computed  # noqa: E731
+        return Startup(
+            gpu_memory_utilization=u_log, max_num_batched_tokens=log_m, total_bytes=log.total_bytes,
+            init_free_bytes=log.init_free_bytes, requested_bytes=log.requested_bytes,
+            consumed_bytes=log.consumed_bytes, peak_activation_bytes=log.peak_activation_bytes or 0,
+            cudagraph_bytes=graphs, kv_cache_bytes=kv,
+            num_gpu_blocks=pick(log.num_gpu_blocks, ledger.num_gpu_blocks if ledger else 0),
+            kv_cache_tokens=pick(log.kv_cache_tokens, ledger.kv_token_capacity if ledger else 0),
+            max_concurrency=pick(log.max_concurrency, ledger.max_concurrency if ledger else 0.0),
+            max_model_len=max_model_len, headroom_bytes=headroom or 0, log_lines=log.lines)
     reference: dict[int, object] = {}
 
     def model_ledger(m: int):
@@ -211,26 +224,29 @@ def log_start(settings: ModelSettings, log: LogBudget, model_runner: str, baseli
                               context_bytes=baseline.context_bytes(tp),
                               buffers_in_consumed=log.format == "vllm-0.33")
         cfg = replace(config, max_num_batched_tokens=m)
+        own = (u, m) == (u_log, log_m)
         try:
             worker = worker_from_budget(spec, budget, max_num_batched_tokens=m, max_num_seqs=seqs,
                                         max_model_len=max_model_len)
         except StartupRefused as e:
-            memo[u, m] = _refused(u, m, e.vllm_message or e.expected)
+            message = e.vllm_message or e.expected
+            if not own:
+                memo[u, m] = _refused(u, m, message)
+            elif log.refused:  # the server itself refused: its own words
+                memo[u, m] = replace(logged(None, None), refused=log.refused,
+                                     refused_for_kv=log.refused.startswith(_KV_REFUSALS))
+            else:
+                memo[u, m] = replace(logged(None, None), refused=(
+                    f"{message} (kvguard's rebuild of the log's budget does not start; the log itself shows no "
+                    f"refusal, so the assumptions below may not hold for this server)"),
+                    refused_for_kv=message.startswith(_KV_REFUSALS))
             return memo[u, m]
         except ValueError as e:
             raise PlanError(str(e)) from None
         probe = StepProbe(worker)
         ledger = worker.ledger
-        if (u, m) == (u_log, log_m):  # the log's own figures, as it prints them
-            startup = _ledger_startup(
-                ledger, cfg, probe.headroom_bytes, gpu_memory_utilization=u, total_bytes=log.total_bytes,
-                init_free_bytes=log.init_free_bytes, requested_bytes=log.requested_bytes,
-                consumed_bytes=log.consumed_bytes, peak_activation_bytes=log.peak_activation_bytes or 0,
-                cudagraph_bytes=graphs, kv_cache_bytes=kv,
-                num_gpu_blocks=log.num_gpu_blocks if log.num_gpu_blocks is not None else ledger.num_gpu_blocks,
-                kv_cache_tokens=log.kv_cache_tokens if log.kv_cache_tokens is not None else ledger.kv_token_capacity,
-                max_concurrency=log.max_concurrency if log.max_concurrency is not None else ledger.max_concurrency,
-                log_lines=log.lines)
+        if own:  # the log's own figures, as it prints them
+            startup = logged(ledger, probe.headroom_bytes)
         else:
             startup = _ledger_startup(
                 ledger, cfg, probe.headroom_bytes, gpu_memory_utilization=u,
@@ -244,45 +260,47 @@ def log_start(settings: ModelSettings, log: LogBudget, model_runner: str, baseli
     return start
 
 
-def _default_classes(config: ServerConfig, traffic: tuple[TrafficClass, ...]) -> tuple[TrafficClass, ...]:
-    """The declared classes, then every other class (undeclared: reported, not required)."""
+def _default_classes(traffic: tuple[TrafficClass, ...]) -> tuple[TrafficClass, ...]:
+    """The server's busiest ordinary step, the declared classes, then every other class (reported, not
+    required)."""
     named = {c.name for c in traffic}
-    return traffic + tuple(TrafficClass(name) for name in CLASSES if name not in named)
+    return (TrafficClass(ops_plan.BASELINE),) + traffic + tuple(TrafficClass(n) for n in CLASSES if n not in named)
 
 
 def build_plan(start, *, source: str, traffic: tuple[TrafficClass, ...], what_if: tuple[float, ...] | None,
                search: bool = True, assumptions: tuple[str, ...] = ()) -> Plan:
-    """The report: the configured start-up, every class on it, the boundaries, the what-if table."""
+    """The report: the configured start-up, every class on it, the boundaries, the what-if table. A refused
+    start still gets the utilization range vLLM starts in and the what-if table."""
     configured = start(None, None)
-    if isinstance(configured, Startup):
-        return Plan(source, configured, None, (), traffic, None, (), assumptions)
-    config = configured.config
-    declared = {c.name for c in traffic}
-    classes = tuple(ops_plan.class_limit(configured, c, declared=c.name in declared)
-                    for c in _default_classes(config, traffic))
+    started = not isinstance(configured, Startup)
+    startup = configured.startup if started else configured
+    config = configured.config if started else None
+    everything = _default_classes(traffic)
+    classes = ()
+    if started:
+        declared = {c.name for c in traffic} | {ops_plan.BASELINE}
+        classes = tuple(ops_plan.class_limit(configured, c, declared=c.name in declared) for c in everything)
     boundary = None
     if search:
         lowest, highest, fitting = ops_plan.utilization_boundary(start, traffic)
         at = start(fitting, None) if fitting is not None else None
-        batched = grid = None
-        batched_startup = None
-        if traffic:
-            lo = config.max_num_seqs
-            hi = max(config.max_num_batched_tokens, config.max_model_len)
-            grid = (lo, hi)
-            batched = ops_plan.batched_tokens_boundary(start, traffic, lo, hi)
+        batched = grid = batched_startup = None
+        if started:  # the largest token budget at the configured utilization (the baseline bounds it too)
+            grid = (config.max_num_seqs, max(config.max_num_batched_tokens, config.max_model_len))
+            batched = ops_plan.batched_tokens_boundary(start, traffic, *grid)
             if batched is not None:
-                s = start(None, batched)
-                batched_startup = s.startup if not isinstance(s, Startup) else None
+                found = start(None, batched)
+                batched_startup = None if isinstance(found, Startup) else found.startup
         boundary = ops_plan.Boundary(lowest, highest, fitting,
-                                     at.startup if at is not None and not isinstance(at, Startup) else None,
+                                     None if at is None or isinstance(at, Startup) else at.startup,
                                      batched, batched_startup, grid)
     rows = ()
     if what_if is not None:
-        points = sorted(set(what_if) | {configured.startup.gpu_memory_utilization}
-                        | ({boundary.largest_fitting} if boundary and boundary.largest_fitting else set()))
-        rows = tuple(ops_plan.what_if(start, _default_classes(config, traffic), tuple(points)))
-    return Plan(source, configured.startup, config, classes, traffic, boundary, rows, assumptions)
+        points = set(what_if) | {startup.gpu_memory_utilization}
+        if boundary is not None and boundary.largest_fitting is not None:
+            points.add(boundary.largest_fitting)
+        rows = tuple(ops_plan.what_if(start, everything, tuple(sorted(points))))
+    return Plan(source, startup, config, classes, traffic, boundary, rows, assumptions)
 
 
 def model_assumptions(settings: ModelSettings, profile: Profile | None) -> tuple[str, ...]:
@@ -326,10 +344,15 @@ def log_assumptions(log: LogBudget, runner: str, graphs_assumed: bool) -> tuple[
 
 
 def _class_assumptions(runner: str) -> list[str]:
-    out = ["class steps: prompt_logprobs = one prompt prefilled alone (chunked at max_num_batched_tokens); "
-           "logprobs / spec_decode = a decode step of that many sequences; long_context = the prompt's last "
-           "prefill chunk with the other seats decoding (as many as max_num_seqs, the token budget and the KV "
-           "cache allow); limits hold for one such step, not for several such requests in one step"]
+    out = ["class steps: full_step = the whole token budget over that many sampling sequences (ordinary traffic, "
+           "always required); prompt_logprobs = one prompt prefilled alone (chunked at max_num_batched_tokens); "
+           "logprobs / spec_decode = a decode step of that many sequences; long_context = a request at that context "
+           "in its busiest steps (its last prefill chunk as large as the budget allows beside decodes of the other "
+           "seats, and its decode among max_num_seqs); each limit is for one such step on a server fresh from "
+           "start-up: several such requests in one step, or the allocator's fragmentation after hours of "
+           "traffic, can lower it",
+           "margin: what the device still had at the step's worst moment (the allocator's rounding and "
+           "fragmentation included); tensors: the step's own peak"]
     if runner == "v2":
         out.append("Model Runner V2 computes prompt logprobs in 1,024-position chunks (sample/prompt_logprob.py) and "
                    "sample logprobs without a [rows, vocab] copy: those classes rarely OOM; --model-runner v1 "

@@ -104,7 +104,7 @@ class ServerBudget:
     kv_cache_bytes: int
     cudagraph_bytes: int
     init_free_bytes: int | None = None
-    context_bytes: int = 0
+    context_bytes: int = 0  # without init_free_bytes: the CUDA context and NCCL baseline assumed outside the budget
     buffers_in_consumed: bool = True  # the V2 accounting counts the runner's buffers in consumed; older ones not
 
 
@@ -115,9 +115,15 @@ def worker_from_budget(spec: VllmSpec, budget: ServerBudget, *, max_num_batched_
     request), and ``ValueError`` when the log's consumed memory is smaller than this model's own buffers."""
     v2 = spec.model_runner == "v2"
     total = budget.total_bytes
-    context = total - budget.init_free_bytes if budget.init_free_bytes is not None else budget.context_bytes
-    fixed = replace(spec, kv_cache_memory_bytes=max(1, budget.kv_cache_bytes), cudagraph_bytes=max(0, budget.cudagraph_bytes),
-                    non_torch_increase_bytes=0 if v2 else budget.non_torch_bytes)
+    non_torch = budget.non_torch_bytes
+    if budget.init_free_bytes is not None:
+        context = total - budget.init_free_bytes
+    elif v2:
+        context = budget.context_bytes
+    else:  # V0's lines: no free-memory check then; the assumed context is held after profiling, like non-torch
+        context, non_torch = 0, non_torch + budget.context_bytes
+    fixed = replace(spec, kv_cache_memory_bytes=max(1, budget.kv_cache_bytes),
+                    cudagraph_bytes=max(0, budget.cudagraph_bytes), non_torch_increase_bytes=0 if v2 else non_torch)
 
     def start(weights: int, context_bytes: int) -> WorkerMemory:
         return WorkerMemory(fixed, total_bytes=total, weights_bytes=weights, context_bytes=context_bytes,
