@@ -35,11 +35,11 @@ KV_CACHE_MEMORY_BYTES = typer.Option(None, "--kv-cache-memory-bytes", help="A fi
                                      rich_help_panel=ENGINE_PANEL)
 MAX_MODEL_LEN = typer.Option(None, "--max-model-len", help="The longest sequence (default: the config's; -1 fits it "
                              "to the KV cache).", rich_help_panel=ENGINE_PANEL)
-MAX_NUM_SEQS = typer.Option(None, "--max-num-seqs", min=1, help="Sequences per step (default by GPU: 1024 at >= 70 "
-                            "GiB, else 256).", rich_help_panel=ENGINE_PANEL)
+MAX_NUM_SEQS = typer.Option(None, "--max-num-seqs", min=1, help="Sequences per step (the OpenAI server's default: "
+                            "1024 on GPUs of >= 70 GiB other than the A100, else 256).", rich_help_panel=ENGINE_PANEL)
 MAX_NUM_BATCHED_TOKENS = typer.Option(None, "--max-num-batched-tokens", min=1, help="The per-step token budget "
-                                      "(the OpenAI server's default by GPU: 8192 on H100/H200, 2048 below 70 GiB).",
-                                      rich_help_panel=ENGINE_PANEL)
+                                      "(the OpenAI server's default: 16384 at >= 160 GiB, 8192 at >= 70 GiB other "
+                                      "than the A100, else 2048).", rich_help_panel=ENGINE_PANEL)
 NUM_SPECULATIVE_TOKENS = typer.Option(None, "--num-speculative-tokens", min=1, help="Speculative decoding, "
                                       "draft_model method: drafts per step (with --speculative-model-config).",
                                       rich_help_panel=ENGINE_PANEL)

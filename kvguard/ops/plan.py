@@ -16,11 +16,12 @@ class of ``ops.traffic.CLASSES`` has a step shape parameterised by one size (``R
 ``full_step`` (``BASELINE``) is no traffic class but every server's busiest ordinary step (the whole token budget
 over ``n`` sampling sequences); every setting search requires it besides the declared classes.
 
-A class's limit is the largest ``n`` whose step fits (bisection; each class's peak grows with ``n``); its
-margin is the headroom left less the step's own peak at that size. The setting searches bisect too: as
-``gpu_memory_utilization`` rises vLLM first refuses for too small a KV cache, then starts, then some class
-stops fitting, then vLLM refuses for too little free memory (``Outcome``); as ``max_num_batched_tokens``
-rises a class's step only grows.
+A class's limit is the largest ``n`` whose steps fit (bisection; each class's peak grows with ``n``); its
+margin is what the device still had at the worst moment of the step at that size, as the server's allocator
+saw it (``Server.slack_bytes``). The setting searches bisect too: as ``gpu_memory_utilization`` rises vLLM
+first refuses for too small a KV cache, then starts, then some class stops fitting, then it refuses or
+crashes for too little beyond the KV cache (``Outcome``); as ``max_num_batched_tokens`` rises a class's
+step only grows.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ GiB = 1 << 30
 MAX_LOGPROBS = 20  # vllm/config/model.py max_logprobs default
 UTILIZATION_STEP = 0.001  # the utilization search's resolution (vLLM takes any float in (0, 1])
 BATCHED_TOKENS_STEP = 256  # the token-budget search's grid
-WHAT_IF_UTILIZATIONS = (0.80, 0.85, 0.88, 0.90, 0.92, 0.94, 0.95, 0.96, 0.97, 0.98, 0.99)
 
 
 @dataclass(frozen=True, slots=True)
