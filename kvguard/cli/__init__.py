@@ -13,6 +13,7 @@ from kvguard.cli import (  # noqa: F401  (each module registers its commands on 
     inspect,
     metrics,
     node,
+    plan,
     policy,
     rca,
     record,

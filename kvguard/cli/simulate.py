@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 
+from kvguard.cli import engine_flags as flags_
 from kvguard.cli.app import app
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|d|h|m|s)")
@@ -118,69 +119,43 @@ def simulate(
                                                           "(default: whole trace)."),
     rate_scale: float = typer.Option(1.0, "--rate-scale", help="Multiply the arrival rate (inter-arrival times / X), "
                                                                "0 < X <= 1000."),
-    profile: str = typer.Option(None, "--profile", help="Model/GPU profile (default: the profiles file's default)."),
+    profile: str = flags_.PROFILE,
     engine: str = typer.Option(None, "--engine", help="Engine the shadow fleet runs: vllm, sglang or seed (the "
                                                       "catalogue's default profile of that engine; with --profile, "
                                                       "the profile must be of that engine)."),
     seed: int = typer.Option(0, "--seed", help="Seed for synthetic arrivals and scenarios."),
     events_out: Path = typer.Option(None, "--events-out", help="Write the event log (gzip JSON lines) here."),
     drain: bool = typer.Option(True, "--drain/--no-drain", help="After the window, run until in-flight work ends."),
-    gpu_memory_utilization: float = typer.Option(
-        None, "--gpu-memory-utilization", help="vLLM profiles: vLLM's --gpu-memory-utilization (default: the "
-                                               "profile's: vLLM 0.33's 0.92); the KV cache is re-sized by the "
-                                               "profiling run."),
-    max_num_batched_tokens: int = typer.Option(
-        None, "--max-num-batched-tokens", min=1, help="vLLM profiles: the per-step token budget."),
-    alloc_conf: str = typer.Option(
-        None, "--alloc-conf", help="vLLM profiles: PYTORCH_CUDA_ALLOC_CONF, e.g. expandable_segments:True."),
+    gpu_memory_utilization: float = flags_.GPU_MEMORY_UTILIZATION,
+    max_num_batched_tokens: int = flags_.MAX_NUM_BATCHED_TOKENS,
+    alloc_conf: str = flags_.ALLOC_CONF,
     prompt_logprobs_frac: float = typer.Option(
         0.0, "--prompt-logprobs-frac", help="vLLM profiles: share of requests asking for prompt logprobs "
                                             "(echo + logprobs, as eval harnesses send; vllm#5907)."),
     logprobs_guard: bool = typer.Option(
         False, "--logprobs-guard", help="vLLM profiles: kvguard's node-side guard that sizes each step so the "
                                         "logits of prompt-logprob requests fit the allocator's headroom."),
-    # -- your model, GPU and `vllm serve` flags (vLLM 0.33's names and defaults)
-    model_config: str = typer.Option(None, "--model-config", help="A Hugging Face config.json (or its directory) "
-                                     "of a dense Llama/Mistral/Qwen2/Qwen3 decoder, instead of --profile."),
-    gpu: str = typer.Option(None, "--gpu", help="With --model-config: h100-80gb, h200, b200, a100-40gb, l40s, "
-                            "rtx4090, rtx3090, rtx5090 (capacities as CUDA reports them)."),
-    gpu_memory_gib: float = typer.Option(None, "--gpu-memory-gib", help="With --model-config: the GPU's capacity "
-                                         "in GiB instead of a named --gpu (default 80)."),
-    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", min=1,
-                                             help="With --model-config: one simulated GPU is one TP rank."),
-    dtype: str = typer.Option("auto", "--dtype", help="With --model-config: auto, half, float16, bfloat16, float, "
-                              "float32."),
-    max_model_len: int = typer.Option(None, "--max-model-len", help="vLLM's --max-model-len (-1: fit it to the KV "
-                                      "cache)."),
-    kv_cache_memory_bytes: str = typer.Option(None, "--kv-cache-memory-bytes", help="vLLM's fixed KV cache size "
-                                              "(bytes, or 8G / 8589934592 as vLLM parses it) instead of "
-                                              "the utilization formula."),
-    watermark: float = typer.Option(None, "--watermark", help="vLLM's --watermark: share of KV blocks kept free "
-                                    "when admitting a waiting request (0.0 default, [0, 1))."),
-    max_num_seqs: int = typer.Option(None, "--max-num-seqs", min=1, help="vLLM's --max-num-seqs."),
-    scheduler_reserve_full_isl: bool = typer.Option(
-        None, "--scheduler-reserve-full-isl/--no-scheduler-reserve-full-isl", help="vLLM's full-sequence "
-        "admission gate (on by default in 0.33)."),
-    max_num_queued_reqs: int = typer.Option(None, "--max-num-queued-reqs", min=0, help="vLLM's 503 cap on "
-                                            "unfinished requests (retryable rejections, counted by reason)."),
-    max_num_queued_tokens: str = typer.Option(None, "--max-num-queued-tokens", help="vLLM's 503 cap on the "
-                                              "prefill token backlog (10k accepted)."),
-    scheduling_policy: str = typer.Option(None, "--scheduling-policy", help="fcfs (default) or priority "
-                                          "(lower value first, then arrival; preempts the largest)."),
-    num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens", min=1, help="Speculative "
-                                               "decoding, draft_model method: drafts per step (with "
-                                               "--speculative-model-config)."),
-    speculative_model_config: str = typer.Option(None, "--speculative-model-config", help="The draft model's "
-                                                 "config.json (same vocabulary as the target)."),
+    # -- your model, GPU and `vllm serve` flags (shared with `kvguard plan`: kvguard/cli/engine_flags.py)
+    model_config: str = flags_.MODEL_CONFIG,
+    gpu: str = flags_.GPU,
+    gpu_memory_gib: float = flags_.GPU_MEMORY_GIB,
+    tensor_parallel_size: int = flags_.TENSOR_PARALLEL_SIZE,
+    dtype: str = flags_.DTYPE,
+    max_model_len: int = flags_.MAX_MODEL_LEN,
+    kv_cache_memory_bytes: str = flags_.KV_CACHE_MEMORY_BYTES,
+    watermark: float = flags_.WATERMARK,
+    max_num_seqs: int = flags_.MAX_NUM_SEQS,
+    scheduler_reserve_full_isl: bool = flags_.SCHEDULER_RESERVE_FULL_ISL,
+    max_num_queued_reqs: int = flags_.MAX_NUM_QUEUED_REQS,
+    max_num_queued_tokens: str = flags_.MAX_NUM_QUEUED_TOKENS,
+    scheduling_policy: str = flags_.SCHEDULING_POLICY,
+    num_speculative_tokens: int = flags_.NUM_SPECULATIVE_TOKENS,
+    speculative_model_config: str = flags_.SPECULATIVE_MODEL_CONFIG,
     spec_acceptance_rate: float = typer.Option(None, "--spec-acceptance-rate", help="Probability each draft "
                                                "token is accepted (a workload property; default 0.7)."),
-    enforce_eager: bool = typer.Option(None, "--enforce-eager/--no-enforce-eager", help="vLLM's --enforce-eager: "
-                                       "no CUDA graphs, no graph estimate, no JIT kernel warm-up."),
-    model_runner: str = typer.Option(None, "--model-runner", help="v2 (vLLM 0.33's default) or v1 "
-                                     "(VLLM_USE_V2_MODEL_RUNNER=0)."),
-    attention_lse: str = typer.Option(None, "--attention-lse", help="FlashAttention LSE layout: total_q (vLLM "
-                                      "0.33), max_seqlen_q (FA2 before Dao-AILab PR#970) or max_seq_len "
-                                      "(padded by the context, club-3090 'Cliff 1')."),
+    enforce_eager: bool = flags_.ENFORCE_EAGER,
+    model_runner: str = flags_.MODEL_RUNNER,
+    attention_lse: str = flags_.ATTENTION_LSE,
     # -- memory outside vLLM and traffic shapes (failure classes C3, C4, C7)
     neighbour: str = typer.Option(None, "--neighbour", help="Another process on the GPU: SIZE[:RATE], e.g. "
                                   "2GiB or 2GiB:+3GiB/h (present at start-up, growing at RATE)."),
@@ -190,6 +165,9 @@ def simulate(
                                             "--long-context-len tokens."),
     long_context_len: int = typer.Option(0, "--long-context-len", min=0, help="Prompt length of the long-context "
                                          "share."),
+    traffic: str = typer.Option(None, "--traffic", help="The request classes, spelled as for `kvguard plan`: "
+                                "prompt_logprobs:SHARE, long_context:SHARE@TOKENS, spec_decode (the server's own "
+                                "--num-speculative-tokens), e.g. prompt_logprobs:0.05,long_context:0.02@60000."),
     # -- `vllm bench serve` (with --workload random, or --max-concurrency over any workload)
     random_input_len: int = typer.Option(1024, "--random-input-len", min=0, help="vllm bench serve: input length."),
     random_output_len: int = typer.Option(128, "--random-output-len", min=0, help="vllm bench serve: output length."),
@@ -234,21 +212,24 @@ def simulate(
         except ProfileError as e:
             err.print(f"[red]error:[/] {e}")
             raise typer.Exit(2) from None
+    if traffic is not None:
+        prompt_logprobs_frac, long_context_frac, long_context_len = traffic_mix(
+            traffic, prompt_logprobs_frac=prompt_logprobs_frac, long_context_frac=long_context_frac,
+            long_context_len=long_context_len, speculates=num_speculative_tokens is not None)
     if not 0.0 <= prompt_logprobs_frac <= 1.0:
         raise typer.BadParameter(f"expected a share in [0, 1], got {prompt_logprobs_frac}",
                                  param_hint="--prompt-logprobs-frac")
-    flags = dict(gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
-                 alloc_conf=alloc_conf, max_model_len=max_model_len,
-                 kv_cache_memory_bytes=_human_int(kv_cache_memory_bytes, "--kv-cache-memory-bytes"),
-                 watermark=watermark, max_num_seqs=max_num_seqs, max_num_queued_reqs=max_num_queued_reqs,
-                 max_num_queued_tokens=_human_int(max_num_queued_tokens, "--max-num-queued-tokens"),
-                 scheduling_policy=scheduling_policy, num_speculative_tokens=num_speculative_tokens,
-                 speculative_model_config=speculative_model_config, spec_acceptance_rate=spec_acceptance_rate,
-                 enforce_eager=enforce_eager, model_runner=model_runner, attention_lse=attention_lse,
-                 scheduler_reserve_full_isl=scheduler_reserve_full_isl)
+    flags = flags_.engine_flag_values(
+        gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
+        alloc_conf=alloc_conf, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
+        watermark=watermark, max_num_seqs=max_num_seqs, max_num_queued_reqs=max_num_queued_reqs,
+        max_num_queued_tokens=max_num_queued_tokens, scheduling_policy=scheduling_policy,
+        num_speculative_tokens=num_speculative_tokens, speculative_model_config=speculative_model_config,
+        enforce_eager=enforce_eager, model_runner=model_runner, attention_lse=attention_lse,
+        scheduler_reserve_full_isl=scheduler_reserve_full_isl, spec_acceptance_rate=spec_acceptance_rate)
     duration_s = parse_duration(duration) if duration else None
     try:
-        knobs, engine_args = engine_settings(flags, model_config=model_config, gpu=gpu, gpu_memory_gib=gpu_memory_gib,
+        knobs, engine_args = flags_.engine_settings(flags, model_config=model_config, gpu=gpu, gpu_memory_gib=gpu_memory_gib,
                                              tensor_parallel_size=tensor_parallel_size, dtype=dtype)
         bench, schedules = None, {}
         if workload == "random":
@@ -306,41 +287,38 @@ def _print_bench(console, b: dict) -> None:
                           + f"{b[f'{stat}_{key}_ms']:.2f}")
 
 
-def _human_int(text: str | None, flag: str) -> int | None:
-    """vLLM's ``human_readable_int``: 1k = 1000, 1K = 1024, 8G = 8 * 2**30 (no decimals with binary suffixes)."""
-    if text is None:
-        return None
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text.strip())
-    if m:
-        number, suffix = m.groups()
-        if suffix.islower():
-            return int(float(number) * 10 ** (3 * "kmgt".index(suffix) + 3))
-        if "." in number:
-            raise typer.BadParameter(f"Decimals are not allowed with binary suffixes like {suffix}. Did you mean to "
-                                     f"use {number}{suffix.lower()} instead?", param_hint=flag)
-        return int(number) * 2 ** (10 * ("KMGT".index(suffix) + 1))
+def traffic_mix(text: str, *, prompt_logprobs_frac: float, long_context_frac: float, long_context_len: int,
+                speculates: bool) -> tuple[float, float, int]:
+    """``--traffic`` as the shadow engine's mix: (prompt-logprob share, long-context share, its length). The
+    engine takes a share for prompt logprobs (the workload's prompts keep their lengths), a share and a length
+    for long contexts, and speculates on every request when the server does; it has no sample-logprob path."""
+    from kvguard.ops.traffic import TrafficError, parse_traffic
+
     try:
-        return int(text)
-    except ValueError:
-        raise typer.BadParameter(f"expected an integer like 8589934592, 8G or 10k, got {text!r}",
-                                 param_hint=flag) from None
-
-
-def engine_settings(flags: dict, *, model_config, gpu, gpu_memory_gib, tensor_parallel_size, dtype):
-    """(``EngineKnobs`` over a bundled profile, ``EngineArgs`` for your own model): the same flags either way."""
-    from kvguard.producers.sim.engine_args import EngineArgs
-    from kvguard.producers.sim.profiles import EngineKnobs
-
-    given = {k: v for k, v in flags.items() if v is not None}
-    if model_config is None:
-        if gpu is not None or gpu_memory_gib is not None or tensor_parallel_size != 1 or dtype != "auto":
-            raise typer.BadParameter("--gpu, --gpu-memory-gib, --tensor-parallel-size and --dtype need "
-                                     "--model-config (a bundled --profile fixes them)", param_hint="--model-config")
-        renamed = {("allocator_conf" if k == "alloc_conf" else k): v for k, v in given.items()}
-        return EngineKnobs(**renamed), None
-    args = {("alloc_conf" if k == "alloc_conf" else k): v for k, v in given.items()}
-    return None, EngineArgs(model_config=model_config, gpu=gpu, gpu_memory_gib=gpu_memory_gib,
-                            tensor_parallel_size=tensor_parallel_size, dtype=dtype, **args)
+        classes = parse_traffic(text)
+    except TrafficError as e:
+        raise typer.BadParameter(str(e), param_hint="--traffic") from None
+    pl, lc, lc_len = prompt_logprobs_frac, long_context_frac, long_context_len
+    for c in classes:
+        if c.name == "prompt_logprobs":
+            if c.share is None or c.shape is not None or prompt_logprobs_frac:
+                raise typer.BadParameter("simulate takes prompt_logprobs:SHARE (the workload sets the prompts' "
+                                         "lengths), and not with --prompt-logprobs-frac", param_hint="--traffic")
+            pl = c.share
+        elif c.name == "long_context":
+            if c.share is None or c.shape is None or long_context_frac:
+                raise typer.BadParameter("simulate takes long_context:SHARE@TOKENS, and not with "
+                                         "--long-context-frac", param_hint="--traffic")
+            lc, lc_len = c.share, c.shape
+        elif c.name == "spec_decode":
+            if not speculates or c.share not in (None, 1.0) or c.shape is not None:
+                raise typer.BadParameter("spec_decode is the server's speculative decoding: every request, with "
+                                         "--num-speculative-tokens and --speculative-model-config",
+                                         param_hint="--traffic")
+        else:
+            raise typer.BadParameter(f"the shadow engine does not model {c.name} requests (use `kvguard plan` for "
+                                     f"their limits)", param_hint="--traffic")
+    return pl, lc, lc_len
 
 
 def bench_run(engine_args, input_len, output_len, range_ratio, prefix_len, num_prompts, seed, ignore_eos,

@@ -56,6 +56,17 @@ def prompt_cap_tokens(profile: Profile) -> int | None:
     return registry.engine_kind(profile).prompt_cap_tokens(profile)
 
 
+def profile_object(name: str | None = None, path: str | None = None, knobs: EngineKnobs | None = None) -> dict:
+    """The named profile's JSON object with ``knobs`` applied, not yet measured (``load_profile`` measures it)."""
+    data = _load(path)
+    name = name or data["default"]
+    if name not in data["profiles"]:
+        raise ProfileError(name, "name", f"one of {sorted(data['profiles'])}")
+    if knobs is None or knobs.is_default():
+        return data["profiles"][name]
+    return registry.apply_knobs(name, data["profiles"][name], knobs)
+
+
 def load_profile(name: str | None = None, path: str | None = None, knobs: EngineKnobs | None = None) -> Profile:
     """The named profile (default: the file's ``default``) from ``profiles.json`` or ``path``, with
     ``knobs`` applied (the profile's name then ends in ``@`` and the knobs' label)."""
@@ -69,4 +80,4 @@ def load_profile(name: str | None = None, path: str | None = None, knobs: Engine
 
 
 __all__ = ["EngineKnobs", "Profile", "ProfileError", "VllmSpec", "default_profile_name", "load_profile",
-           "profile_from_dict", "profile_names", "prompt_cap_tokens"]
+           "profile_from_dict", "profile_names", "profile_object", "prompt_cap_tokens"]

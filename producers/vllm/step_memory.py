@@ -181,6 +181,9 @@ class Batch:
     prompt_lens: tuple[int, ...] = ()  # needed by penalties and prompt logprobs
     structured_output: bool = False
     prompt_logprobs_tokens: tuple[int, ...] = ()  # prompt logits computed per sequence this step
+    # speculative decoding: draft tokens each sequence verifies this step (its scheduled tokens are 1 + drafts,
+    # every one a logits row: Model Runner V2's ``num_reqs * (1 + k)`` rows); the V1 plans ignore them
+    num_draft_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.num_scheduled_tokens)
@@ -192,9 +195,11 @@ class Batch:
             raise ValueError("context_lens[i] must include the tokens scheduled this step")
         if self.sampling not in SAMPLING_MODES:
             raise ValueError(f"sampling must be one of {SAMPLING_MODES}, got {self.sampling!r}")
-        for name in ("prompt_lens", "prompt_logprobs_tokens"):
+        for name in ("prompt_lens", "prompt_logprobs_tokens", "num_draft_tokens"):
             if getattr(self, name) and len(getattr(self, name)) != n:
                 raise ValueError(f"{name} needs one entry per sequence when given")
+        if any(t < 1 + d for t, d in zip(self.num_scheduled_tokens, self.num_draft_tokens)):
+            raise ValueError("a sequence verifying d draft tokens schedules at least 1 + d tokens")
 
     @classmethod
     def uniform(cls, num_seqs: int, tokens_per_seq: int, context_len: int, **kwargs) -> Batch:
@@ -207,6 +212,10 @@ class Batch:
     @property
     def num_seqs(self) -> int:
         return len(self.num_scheduled_tokens)
+
+    @property
+    def num_draft_tokens_total(self) -> int:
+        return sum(self.num_draft_tokens)
 
 
 class MemOp(NamedTuple):

@@ -134,20 +134,21 @@ class MemoryLedger:
     context_bytes: int
     weights_bytes: int
     persistent_bytes: int
-    profile_peak_bytes: int  # torch_peak_increase, as the twin measured it
+    profile_peak_bytes: int  # torch_peak_increase (V2: the transient peak above what stays allocated)
     non_torch_increase_bytes: int
-    cudagraph_bytes: int
+    cudagraph_bytes: int  # the CUDA-graph pool; the estimate subtracted is the same figure
     kv_cache_bytes: int  # available_kv_cache_memory
     kv_bytes_per_token: int
     block_bytes: int
     num_gpu_blocks: int
-    # vLLM 0.33's accounting (Model Runner V2 profiles; 0 for the V1-runner profiles)
-    requested_bytes: int = 0  # ceil(total * gpu_memory_utilization)
+    requested_bytes: int = 0  # V2: ceil(total * gpu_memory_utilization); V1: int(total * utilization)
     init_free_bytes: int = 0  # free at the start-up snapshot
-    total_consumed_bytes: int = 0  # init free - free after profiling (weights, buffers, non-torch)
+    total_consumed_bytes: int = 0  # V2: init free - free after profiling (weights, buffers, non-torch)
     max_model_len: int = 0
     warmup_reqs: int = 0  # requests of the post-KV warm-up (warmup_kernels)
     kv_cache_memory_fixed: bool = False  # --kv-cache-memory-bytes: the formula was skipped
+    gpu_memory_utilization: float = 0.0
+    model_runner: str = "v1"  # whose accounting measured it: "v2" (vLLM 0.33) or "v1" (vLLM 0.11's worker)
 
     @property
     def kv_tensor_bytes(self) -> int:
@@ -158,36 +159,87 @@ class MemoryLedger:
                                                                        "kv_token_capacity": self.kv_token_capacity}
 
     @property
+    def block_size(self) -> int:
+        return self.block_bytes // self.kv_bytes_per_token
+
+    @property
     def max_concurrency(self) -> float:
         """``get_max_concurrency_for_kv_cache_config``: blocks over blocks one max_model_len request needs."""
-        return self.num_gpu_blocks / -(-self.max_model_len // (self.block_bytes // self.kv_bytes_per_token)) \
-            if self.max_model_len else 0.0
+        return self.num_gpu_blocks / -(-self.max_model_len // self.block_size) if self.max_model_len else 0.0
 
     @property
     def kv_token_capacity(self) -> int:
         """vLLM's "GPU KV cache size: N tokens" (``kv_cache_utils.py``): ``int(max_concurrency * max_model_len)``."""
         return int(self.max_concurrency * self.max_model_len) if self.max_model_len else \
-            self.num_gpu_blocks * (self.block_bytes // self.kv_bytes_per_token)
+            self.num_gpu_blocks * self.block_size
+
+    @property
+    def peak_activation_bytes(self) -> int:
+        """The "peak activation" vLLM 0.33 logs: the transient peak plus the CUDA-graph estimate it subtracted
+        (``gpu_worker.py``: ``peak_activation_memory = transient_peak_headroom + cudagraph_memory_estimate_applied``,
+        the sum vllm#57936 reports as double-counted in the suggestion); the V1 accounting logs the peak alone."""
+        graphs = 0 if self.kv_cache_memory_fixed else self.cudagraph_bytes
+        return self.profile_peak_bytes + graphs if self.model_runner == "v2" else self.profile_peak_bytes
 
     def log_lines(self) -> list[str]:
-        """vLLM 0.33's start-up lines for these numbers (format strings of ``gpu_worker.py``, ``kv_cache_utils.py``)."""
+        """What vLLM logs at start-up for these numbers, in its order: 0.33's format strings (``gpu_worker.py``,
+        ``kv_cache_utils.py``) for the V2 accounting, 0.10/0.11's for the V1 one (the "for weight" line of vllm
+        PR#21489 as PR#25683 prints it, and "GPU KV cache size" and "Maximum concurrency" on two lines)."""
         lines = [f"Model loading took {format_gib(self.weights_bytes)} GiB memory"]
         if self.kv_cache_memory_fixed:
             lines.append(f"Initial free memory {format_gib(self.init_free_bytes)} GiB, reserved "
                          f"{format_gib(self.kv_cache_bytes)} GiB memory for KV Cache as specified by "
                          f"kv_cache_memory_bytes config and skipped memory profiling. This does not respect the "
-                         f"gpu_memory_utilization config.")
-        elif self.requested_bytes:
+                         f"gpu_memory_utilization config. Only use kv_cache_memory_bytes config when you want manual "
+                         f"control of KV cache memory size. If OOM'ed, check the difference of initial free memory "
+                         f"between the current run and the previous run where kv_cache_memory_bytes is suggested and "
+                         f"update it correspondingly.")
+        else:
             lines.append(f"Available KV cache memory: {format_gib(self.kv_cache_bytes)} GiB")
-            lines.append(f"Free memory on device ({format_gib(self.init_free_bytes)}/{format_gib(self.total_bytes)} "
-                         f"GiB) on startup. Desired GPU memory utilization is "
-                         f"({round(self.requested_bytes / self.total_bytes, 4)}, {format_gib(self.requested_bytes)} "
-                         f"GiB). Actual usage is {format_gib(self.total_consumed_bytes)} GiB for consumed memory "
-                         f"(weights + non-torch), {format_gib(self.profile_peak_bytes)} GiB for peak activation, and "
-                         f"{format_gib(self.cudagraph_bytes)} GiB for CUDAGraph memory.")
-        lines.append(f"GPU KV cache size: {self.kv_token_capacity:,} tokens, Maximum concurrency for "
-                     f"{self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x")
+        v2 = self.model_runner == "v2"
+        if v2 and self.cudagraph_bytes and not self.kv_cache_memory_fixed:
+            u, delta = self.gpu_memory_utilization, self.cudagraph_bytes / self.total_bytes
+            lines.append(f"CUDA graph memory profiling is enabled (default since v0.21.0). The current "
+                         f"--gpu-memory-utilization={u:.4f} is equivalent to --gpu-memory-utilization="
+                         f"{round(u - delta, 4):.4f} without CUDA graph memory profiling. To maintain the same effective "
+                         f"KV cache size as before, increase --gpu-memory-utilization to {min(round(u + delta, 4), 1.0):.4f}."
+                         f" To disable, set VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0.")
+        capacity = f"{self.kv_token_capacity:,}"
+        concurrency = (f"Maximum concurrency for {self.max_model_len:,} tokens per request: "
+                       f"{self.max_concurrency:.2f}x")
+        if v2:
+            lines.append(f"GPU KV cache size: {capacity} tokens, {concurrency}")
+        else:
+            lines += [f"GPU KV cache size: {capacity} tokens", concurrency]
+        if v2 and self.cudagraph_bytes and not self.kv_cache_memory_fixed:
+            g = format_gib(self.cudagraph_bytes)
+            lines.append(f"CUDA graph pool memory: {g} GiB (actual), {g} GiB (estimated), difference: 0.0 GiB (0.0%).")
+        if not self.kv_cache_memory_fixed:
+            lines.append(self._budget_line())
         return lines
+
+    def _budget_line(self) -> str:
+        """``compile_or_warm_up_model``'s summary line; its two suggestions leave vLLM's 150 MiB redundancy."""
+        redundancy = 150 << 20
+        if self.model_runner == "v2":
+            used = self.total_consumed_bytes + self.peak_activation_bytes + self.cudagraph_bytes
+            usage = (f"{format_gib(self.total_consumed_bytes)} GiB for consumed memory (weights + non-torch), "
+                     f"{format_gib(self.peak_activation_bytes)} GiB for peak activation, and "
+                     f"{format_gib(self.cudagraph_bytes)} GiB for CUDAGraph memory")
+        else:
+            used = (self.weights_bytes + self.profile_peak_bytes + self.non_torch_increase_bytes
+                    + self.cudagraph_bytes)
+            usage = (f"{format_gib(self.weights_bytes)} GiB for weight, {format_gib(self.profile_peak_bytes)} GiB for "
+                     f"peak activation, {format_gib(self.non_torch_increase_bytes)} GiB for non-torch memory, and "
+                     f"{format_gib(self.cudagraph_bytes)} GiB for CUDAGraph memory")
+        fit = int(self.requested_bytes - used - redundancy)
+        full = int(self.init_free_bytes - used - redundancy)
+        return (f"Free memory on device ({format_gib(self.init_free_bytes)}/{format_gib(self.total_bytes)} GiB) on "
+                f"startup. Desired GPU memory utilization is ({self.gpu_memory_utilization}, "
+                f"{format_gib(self.requested_bytes)} GiB). Actual usage is {usage}. Replace gpu_memory_utilization "
+                f"config with `--kv-cache-memory={fit}` ({format_gib(fit)} GiB) to fit into requested memory, or "
+                f"`--kv-cache-memory={full}` ({format_gib(full)} GiB) to fully utilize gpu memory. Current kv cache "
+                f"memory in use is {format_gib(self.kv_cache_bytes)} GiB.")
 
 
 class RecordingDriver:
@@ -260,6 +312,13 @@ def auto_fit_max_model_len(available: int, block_bytes: int, block_size: int, ma
             "Cannot auto-fit max_model_len: not enough GPU memory available to serve even a single token. Try "
             "increasing `gpu_memory_utilization`."))
     return fitted
+
+
+def _free_memory_refusal(free: int, total: int, utilization: float, requested: float) -> str:
+    """``v1/worker/utils.py request_memory``'s refusal, verbatim."""
+    return (f"Free memory on device cuda:0 ({format_gib(free)}/{format_gib(total)} GiB) on startup is less than "
+            f"desired GPU memory utilization ({utilization}, {format_gib(requested)} GiB). Decrease GPU memory "
+            f"utilization or reduce GPU memory used by other processes.")
 
 
 def check_kv_fits(available: int, block_bytes: int, block_size: int, max_model_len: int) -> None:
@@ -353,7 +412,8 @@ class WorkerMemory:
         spec, shape, device = self.spec, self.shape, self.driver.memory
         if total * utilization > total - context:
             raise StartupRefused("gpu_memory_utilization", f"at most {(total - context) / total:.4f}: free memory "
-                                 f"after the CUDA context is less than the desired utilization (vLLM refuses)")
+                                 f"after the CUDA context is less than the desired utilization (vLLM refuses)",
+                                 _free_memory_refusal(total - context, total, utilization, total * utilization))
         device.reserve_external(context)
         n, r, b = max_tokens, max_seqs, shape.dtype_bytes
         sizes = (n * 4, n * 8, (r + 1) * 4, r * 4, n * shape.hidden_size * b, n, r * 8, r * 4, r * 8)
@@ -373,16 +433,13 @@ class WorkerMemory:
         peak = self.twin.memory_stats()["allocated_bytes.all.peak"] - before
         self.twin.empty_cache(now_ns=now)
         self._flush(now)
-        available = kv_cache_bytes(total, utilization, weights, spec.non_torch_increase_bytes, peak,
-                                   spec.cudagraph_bytes)
+        fixed = getattr(spec, "kv_cache_memory_bytes", 0)  # vLLM PR#21489 (0.10.1): skips the formula
+        available = fixed or kv_cache_bytes(total, utilization, weights, spec.non_torch_increase_bytes, peak,
+                                            spec.cudagraph_bytes)
         per_token = kv_bytes_per_token(shape)
         block_bytes = spec.block_size * per_token
-        num_blocks = max(0, available) // block_bytes
-        need = -(-max_model_len // spec.block_size) + 1  # + the null block
-        if num_blocks < need:
-            raise StartupRefused("max_model_len", f"a KV cache that holds one request of max_model_len="
-                                 f"{max_model_len}: {need} blocks of {spec.block_size} tokens, but only "
-                                 f"{num_blocks} fit ({available} bytes); vLLM refuses to start")
+        check_kv_fits(available, block_bytes, spec.block_size, max_model_len)  # the null block, then one request
+        num_blocks = available // block_bytes
         external = spec.non_torch_increase_bytes + num_blocks * block_bytes + spec.cudagraph_bytes
         if external > device.free_bytes:
             raise StartupRefused("total_bytes", "room for the KV cache and the CUDA graphs after profiling")
@@ -394,7 +451,9 @@ class WorkerMemory:
         self.twin.reset_peak_stats()
         return MemoryLedger(total, context, weights, persistent, peak, spec.non_torch_increase_bytes,
                             spec.cudagraph_bytes, available, per_token, block_bytes, num_blocks,
-                            max_model_len=max_model_len)
+                            requested_bytes=int(total * utilization), init_free_bytes=total - context,
+                            total_consumed_bytes=weights + spec.non_torch_increase_bytes, max_model_len=max_model_len,
+                            kv_cache_memory_fixed=bool(fixed), gpu_memory_utilization=utilization)
 
     def _start_v2(self, total, weights, context, utilization, max_tokens, max_seqs, max_model_len, now) -> MemoryLedger:
         """vLLM 0.33's ``Worker`` with Model Runner V2 (``gpu_worker.py init_device`` and
@@ -425,10 +484,8 @@ class WorkerMemory:
         init_free = device.free_bytes
         requested = math.ceil(total * utilization)
         if init_free < requested:
-            raise StartupRefused("gpu_memory_utilization", f"free memory >= {requested} bytes at start-up", (
-                f"Free memory on device cuda:0 ({format_gib(init_free)}/{format_gib(total)} GiB) on startup is "
-                f"less than desired GPU memory utilization ({utilization}, {format_gib(requested)} GiB). Decrease "
-                f"GPU memory utilization or reduce GPU memory used by other processes."))
+            raise StartupRefused("gpu_memory_utilization", f"free memory >= {requested} bytes at start-up",
+                                 _free_memory_refusal(init_free, total, utilization, requested))
         k = getattr(spec, "num_speculative_tokens", 0)
         for name, size in v2.persistent_buffer_bytes_v2(shape, max_tokens, max_seqs, k):
             if size:
@@ -477,13 +534,22 @@ class WorkerMemory:
                     self._replay(plan, now)
             except StepOOM as e:
                 raise StartupRefused("total_bytes", f"room for the kernel warm-up ({e.error})", str(e.error)) from None
+        if graphs > device.free_bytes:  # the graph pool's mallocs release the cached blocks, then retry
+            self.twin.empty_cache(now_ns=now)
+            self._flush(now)
+        if graphs > device.free_bytes:  # capture_model raises torch.OutOfMemoryError: the engine never starts
+            raise StartupRefused("gpu_memory_utilization", "room for the CUDA graphs after the KV cache", (
+                f"CUDA out of memory while capturing CUDA graphs: the graph pool needs {format_gib(graphs)} GiB and "
+                f"{format_gib(device.free_bytes)} GiB is free after the KV cache (capture_model; the estimate "
+                f"subtracted from the KV cache left too little for what the warm-up and the pool hold)"))
         device.reserve_external(graphs)
         self.twin.reset_peak_stats()
         persistent = sum(block for _, block, _, _ in self.persistent.values())
         return MemoryLedger(total, context, weights, persistent, transient, spec.non_torch_increase_bytes, graphs,
                             available, per_token, block_bytes, num_blocks, requested_bytes=requested,
                             init_free_bytes=init_free, total_consumed_bytes=total_consumed,
-                            max_model_len=max_model_len, warmup_reqs=warm, kv_cache_memory_fixed=bool(fixed))
+                            max_model_len=max_model_len, warmup_reqs=warm, kv_cache_memory_fixed=bool(fixed),
+                            gpu_memory_utilization=utilization, model_runner="v2")
 
     def _persistent_malloc(self, name: str, size: int, now: int) -> int:
         self.driver.requested = size
@@ -511,6 +577,13 @@ class WorkerMemory:
         if batch is not None:
             return step_plan_for(self.shape, batch, self.runner)
         return step_plan(self.shape, self.runner, num_tokens, num_seqs, num_tokens == num_seqs, 1, self.spec.sampling)
+
+    def step_plan(self, num_tokens: int, num_seqs: int, batch: Batch | None = None, *, max_query_len: int = 0,
+                  max_seq_len: int = 0, num_logits: int = 0) -> StepPlan:
+        """The plan ``run_step`` replays for this step (its ``peak_bytes``: the tensors' own peak)."""
+        if self.v2:
+            return self._plan_v2(num_tokens, num_seqs, batch, max_query_len, max_seq_len, num_logits)[0]
+        return self.plan_for(num_tokens, num_seqs, batch)
 
     def run_step(self, num_tokens: int, num_seqs: int, now_ns: int, batch: Batch | None = None, *,
                  max_query_len: int = 0, max_seq_len: int = 0, num_logits: int = 0) -> None:

@@ -84,6 +84,13 @@ def _vllm_spec(name: str, section) -> VllmSpec:
     return VllmSpec(shape=shape, **values)
 
 
+def vllm_spec_of(name: str, d: dict) -> VllmSpec:
+    """The ``vllm`` section of a profile's JSON object as a ``VllmSpec``, without measuring its start-up."""
+    if "vllm" not in d:
+        raise ProfileError(name, "vllm", "present")
+    return _vllm_spec(name, d["vllm"])
+
+
 def vllm_profile(name: str, d: dict, engine: str) -> Profile:
     """A vLLM-engine profile: the geometry comes from the measured start-up ledger."""
     for f in _VLLM_INT + _VLLM_FLOAT + ("vllm",):

@@ -184,8 +184,11 @@ def test_the_table_reproduces_more_than_it_explains_away():
 def test_bundled_start_up_of_a_byo_model_prints_vllms_lines():
     lines = EngineArgs(str(CONFIGS / "llama-3.1-8b-instruct.json"), gpu="h100-80gb").profile().memory.log_lines()
     assert lines[0] == "Model loading took 14.99 GiB memory"
-    assert lines[2].startswith("Free memory on device (78.54/79.18 GiB) on startup. Desired GPU memory utilization "
-                               "is (0.92, 72.85 GiB).")
+    assert lines[1].startswith("Available KV cache memory: ") and lines[3].startswith("GPU KV cache size: ")
+    # vLLM 0.33 prints its summary last, after the graphs are captured (compile_or_warm_up_model)
+    assert lines[-1].startswith("Free memory on device (78.54/79.18 GiB) on startup. Desired GPU memory utilization "
+                                "is (0.92, 72.85 GiB). Actual usage is ")
+    assert lines[-1].endswith(f"Current kv cache memory in use is {lines[1].split(': ')[1].removesuffix(' GiB')} GiB.")
 
 
 def test_a_spec_decode_profile_loads_from_a_preset_json():

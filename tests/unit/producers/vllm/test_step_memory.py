@@ -187,5 +187,7 @@ def test_bad_inputs_are_refused_with_a_reason():
         Batch((10,), (5,))
     with pytest.raises(ValueError, match="sampling"):
         Batch.uniform(1, 1, 1, sampling="beam")
+    with pytest.raises(ValueError, match=r"at least 1 \+ d tokens"):
+        Batch((3,), (10,), num_draft_tokens=(3,))  # verifying 3 drafts schedules the bonus token too
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         kv_cache_bytes(GiB, 1.5, 0, 0, 0)
