@@ -121,7 +121,8 @@ class Calibration:
     """An online correction of the plan per step-shape class (the plugin measures each step's allocator
     peak: ``observe(shape, predicted, measured)``). The factor is the ``quantile`` of the ratio measured /
     predicted over the class's last ``window`` steps (once ``min_samples`` are in), clamped to
-    ``[floor, ceiling]``; ``correct`` multiplies a prediction by it. Steps whose measured peak exceeds
+    ``[floor, ceiling]``; ``correct`` multiplies a prediction by it (a class not yet learned takes the
+largest factor learned, at least 1). Steps whose measured peak exceeds
     the raw prediction are kept in ``exceeded`` with their shape (the plugin logs them)."""
 
     def __init__(self, *, quantile: float = 0.99, window: int = 256, min_samples: int = 8, floor: float = 1.0,
@@ -138,13 +139,15 @@ class Calibration:
         self.errors: list[float] = []  # (measured - corrected) / corrected per step, for the histogram
         self.exceeded: deque = deque(maxlen=64)  # (shape, predicted, measured) of steps above the prediction
         self.steps = 0
+        self._default = 1.0
 
     def factor(self, shape_class: tuple) -> float:
-        return self._factor.get(shape_class, 1.0)
+        """The class's factor; a class not yet learned takes the largest learned one (conservative)."""
+        return self._factor.get(shape_class, self._default)
 
     def correct(self, shape: StepShape, predicted: int) -> int:
-        f = self._factor.get(shape.shape_class)
-        return predicted if f is None else int(math.ceil(predicted * f))
+        f = self._factor.get(shape.shape_class, self._default)
+        return predicted if f == 1.0 else int(math.ceil(predicted * f))
 
     def observe(self, shape: StepShape, predicted: int, measured: int) -> None:
         if predicted <= 0:
@@ -166,6 +169,7 @@ class Calibration:
             ordered = sorted(ratios)
             q = ordered[min(len(ordered) - 1, int(math.ceil(self.quantile * len(ordered))) - 1)]
             self._factor[key] = min(self.ceiling, max(self.floor, q))
+            self._default = max(1.0, max(self._factor.values()))
             self._since[key] = 0
             self.on_refresh()
 

@@ -106,8 +106,11 @@ def test_the_calibration_learns_a_class_factor_and_the_governor_uses_it():
         cal.observe(shape, 100, measured)
     assert cal.factor(shape.shape_class) == pytest.approx(1.31)
     assert cal.correct(shape, 1000) == 1310 and len(cal.exceeded) == 5
-    other = StepShape(8, 8)  # another class keeps the plan's figure
-    assert cal.correct(other, 1000) == 1000
+    other = StepShape(8, 8)  # a class not learned yet takes the largest factor learned
+    assert cal.correct(other, 1000) == 1310
+    for _ in range(8):
+        cal.observe(other, 100, 50)
+    assert cal.factor(other.shape_class) == 1.0  # the floor: never below the plan by default
     g = StepGovernor(lambda s: 1000, margin_bytes=0, calibration=cal)
     assert g.peak(shape) == 1310 and g.raw_peak(shape) == 1000
     with pytest.raises(ValueError, match="quantile"):
