@@ -58,7 +58,8 @@ GOVERN        req|-1 headroom/predicted     token budget set     the step govern
                      bytes                                       the next step: cls=OomCause of the class that made
                                                                    it not fit (PROMPT_LOGPROBS, LONG_CONTEXT,
                                                                    SPEC_DECODE, else PEAK), flags=F_GOV_* (what it
-                                                                   did), aux=tokens taken off vLLM's budget; offset =
+                                                                   did), aux=tokens taken off vLLM's budget (with
+                                                                   F_GOV_SEQS alone: sequences not admitted); offset =
                                                                    bytes the allocator can give less the margin, size =
                                                                    predicted peak of the unshrunk step. With
                                                                    F_GOV_REFUSED: req refused at arrival (never fits;

@@ -110,6 +110,7 @@ class VllmActions:
         self.logprobs_margin_bytes = 256 << 20
         self.logprobs_guard_steps = 0  # steps whose budget the step governor lowered (the guard's old count)
         self.governor: Any = None  # set by the plugin: producers.vllm.plugin_governor.PluginGovernor
+        self._saved_active: int | None = None
 
     # ---------------------------------------------------------------- threading
     def submit(self, fn: Callable[[], Any]) -> None:
@@ -245,7 +246,12 @@ class VllmActions:
             if self._saved_budget is None:
                 self._saved_budget = sched.max_num_scheduled_tokens
             sched.max_num_scheduled_tokens = int(budget)
+        d = self.governor.last
+        if d is not None:
             self.logprobs_guard_steps += 1
+            if d.max_seqs and hasattr(sched, "max_num_active_reqs"):  # vLLM 0.33's admission limit
+                self._saved_active = sched.max_num_active_reqs
+                sched.max_num_active_reqs = min(sched.max_num_active_reqs, int(d.max_seqs))
         return defer
 
     def step_started(self, out: Any) -> None:
@@ -270,6 +276,8 @@ class VllmActions:
         if self._saved_budget is not None:
             sched.max_num_scheduled_tokens = self._saved_budget
             self._saved_budget = None
+        if self._saved_active is not None:
+            sched.max_num_active_reqs, self._saved_active = self._saved_active, None
         if self._saved_pause is not None:
             sched._pause_state = self._saved_pause
             self._saved_pause = None

@@ -19,7 +19,9 @@ Before each ``schedule()`` call:
    (what ``CUDACachingAllocator`` frees and retries with before it raises), less ``margin_bytes``
    (segment rounding, splits it cannot reuse).
 3. **Shrink, never drop.** If the budget's worst case fits, nothing changes (the fast path: one cached
-   lookup). Otherwise the budget is lowered to the most tokens whose worst case fits (bisection over
+   lookup). Otherwise, when capping admissions alone makes it fit (the sampler's rows), fewer sequences
+   are admitted this step (``max_seqs``: vLLM's ``--max-num-seqs`` lowered, never below those running);
+   else the budget is lowered to the most tokens whose worst case fits (bisection over
    cached plans) — the prefill is chunked, and decode rows beyond the budget wait a step (vLLM's own
    workarounds: ``--max-num-batched-tokens`` / ``--max-num-seqs`` lower, vllm#5424, vllm#5907
    comments, lm-eval-harness#2698). If even one token does not fit, the waiting queue is deferred for
@@ -89,6 +91,7 @@ class Candidates:
     max_query_len: int = 0  # longest prompt remainder among candidates (1 when all decode)
     max_seq_len: int = 0  # longest context a candidate reaches this step
     spec_tokens: int = 0  # speculative tokens per decode row (k)
+    running: int = 0  # of those, already running (an admission cap cannot go below them)
 
 
 def worst_case(c: Candidates, budget: int) -> StepShape:
@@ -115,6 +118,7 @@ class Decision(NamedTuple):
     predicted_bytes: int  # the corrected peak of the step vLLM's own budget could form
     headroom_bytes: int  # what the allocator can still give, less the margin
     tokens_removed: int  # vLLM's budget - the governor's
+    max_seqs: int = 0  # an admission cap for this step (vLLM's max_num_seqs lowered); 0: unchanged
 
 
 class Calibration:
@@ -258,8 +262,11 @@ class StepGovernor:
         full = self.peak(worst_case(c, budget))
         if full <= avail:
             return None
-        fits = self._largest_fitting(c, budget, avail)
         cause = self.cause_of(c, budget, avail)
+        seqs = self._largest_seq_cap(c, budget, avail)
+        if seqs:  # fewer sequences admitted, the token budget kept (vLLM's --max-num-seqs workaround)
+            return Decision(budget, F_GOV_SEQS, cause, full, avail, 0, seqs)
+        fits = self._largest_fitting(c, budget, avail)
         flags = 0
         if fits:
             flags |= F_GOV_TOKENS
@@ -267,6 +274,21 @@ class StepGovernor:
                 flags |= F_GOV_SEQS
             return Decision(fits, flags, cause, full, avail, budget - fits)
         return Decision(1, F_GOV_TOKENS | F_GOV_NO_FIT, cause, full, avail, budget - 1)
+
+    def _largest_seq_cap(self, c: Candidates, budget: int, avail: int) -> int:
+        """The most sequences (from the running ones up, below the candidates) whose worst case at the
+        full budget fits; 0 when an admission cap alone cannot make the step fit."""
+        lo = max(1, c.running)
+        if lo >= c.num_seqs or self.peak(worst_case(replace(c, num_seqs=lo), budget)) > avail:
+            return 0
+        hi = c.num_seqs  # fits at lo, not at hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.peak(worst_case(replace(c, num_seqs=mid), budget)) <= avail:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def _largest_fitting(self, c: Candidates, budget: int, avail: int) -> int:
         """The most tokens (<= budget) whose worst case fits ``avail``; 0 when not even one does."""

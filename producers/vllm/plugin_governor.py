@@ -30,6 +30,7 @@ CUDA in the process, unless a torch stand-in is given (the tests on vLLM's CPU s
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 from typing import Any
 
@@ -47,6 +48,7 @@ from kvguard.producers.vllm.step_memory import Batch, ModelShape, RunnerConfig, 
 log = logging.getLogger("kvguard.vllm.governor")
 
 LENGTH_QUANTUM = 256
+RESCAN_STEPS = 16  # running requests are read in full every this many steps (bounds in between)
 ERROR_BUCKETS = (-0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0)  # (measured - predicted) / predicted
 
 
@@ -129,6 +131,10 @@ class PluginGovernor:
         self.error_counts = [0] * (len(ERROR_BUCKETS) + 1)  # cumulative per bucket upper bound, +Inf last
         self.error_sum = 0.0
         self.error_count = 0
+        self._calls = 0
+        self._run_scan: list[int] | None = None
+        self._seq_bound = 0
+        self.lp_ids: list[str] = []
 
     @property
     def active(self) -> bool:
@@ -144,26 +150,56 @@ class PluginGovernor:
 
     # ---------------------------------------------------------------- before schedule()
     def candidates(self, sched: Any, *, with_waiting: bool = True) -> Candidates:
+        """The queues as bounds. Running requests are scanned every ``RESCAN_STEPS`` calls; in between
+        their longest context grows by ``1 + k`` a step (a bound), their prompt-logprob positions only
+        fall; only the waiting requests that could be admitted this step (``max_num_seqs - running``)
+        are read: a step costs O(admissible), not O(running)."""
         k = self.k
-        query = seq_len = lp = 0
-        for r in sched.running:
-            left = r.num_tokens + len(getattr(r, "spec_token_ids", ()) or ()) - r.num_computed_tokens
-            query = max(query, left)
-            seq_len = max(seq_len, r.num_tokens)
-            lp = max(lp, _logprob_positions(r))
-        n_wait = len(sched.waiting) if with_waiting else 0
-        if n_wait:
-            for r in sched.waiting:
-                query = max(query, r.num_tokens - r.num_computed_tokens)
-                seq_len = max(seq_len, r.num_tokens)
-                lp = max(lp, _logprob_positions(r))
+        running = sched.running
+        self._calls += 1
+        if self._calls >= RESCAN_STEPS or self._run_scan is None:
+            self._calls = 0
+            query = seq_len = lp = 0
+            lp_ids = []
+            for r in running:
+                n = r.num_tokens
+                left = n + len(r.spec_token_ids or ()) - r.num_computed_tokens
+                if left > query:
+                    query = left
+                if n > seq_len:
+                    seq_len = n
+                positions = _logprob_positions(r)
+                if positions:
+                    lp_ids.append(r.request_id)
+                    lp = max(lp, positions)
+            self._run_scan = [query, seq_len, lp]
+            self.lp_ids = lp_ids
+        else:
+            self._run_scan[1] += 1 + k
+        query, seq_len, lp = self._run_scan
+        n_wait = 0
+        if with_waiting and len(sched.waiting):
+            room = max(0, self.max_num_seqs - len(running))
+            for r in itertools.islice(sched.waiting, room):
+                n_wait += 1
+                left = r.num_tokens - r.num_computed_tokens
+                if left > query:
+                    query = left
+                if r.num_tokens > seq_len:
+                    seq_len = r.num_tokens
+                positions = _logprob_positions(r)
+                if positions:
+                    lp = max(lp, positions)
+                    self.lp_ids.append(r.request_id)
         decode_only = not n_wait and query <= 1 + k
-        seqs = max(1, min(self.max_num_seqs, len(sched.running) + n_wait))
+        seqs = max(1, min(self.max_num_seqs, len(running) + n_wait))
+        self._seq_bound = seq_len
         return Candidates(seqs, decode_only, _up(lp) if lp else 0, 1 + k if decode_only else _up(max(1, query)),
-                          _up(seq_len + k), k)
+                          _up(seq_len + k), k, len(running))
 
     def before_schedule(self, sched: Any) -> tuple[int | None, bool]:
-        """(the budget to set or None, whether to hold the waiting queue for this call)."""
+        """(the budget to set or None, whether to hold the waiting queue for this call); an admission cap
+        is in ``self.last.max_seqs`` (the caller sets ``Scheduler.max_num_active_reqs`` for the call)."""
         if not self.active:
             return None, False
         budget = sched.max_num_scheduled_tokens
@@ -224,23 +260,23 @@ class PluginGovernor:
                             shape.num_logits)
 
     def batch_shape(self, out: Any) -> StepShape:
-        """The scheduled batch as the plan sees it (``SchedulerOutput``)."""
-        sched = self.scheduler
+        """The scheduled batch as the plan sees it (``SchedulerOutput``); the context is the candidates'
+        bound, prompt-logprob positions are read from the requests known to ask for them."""
         tokens = out.num_scheduled_tokens
         n = int(out.total_num_scheduled_tokens)
         r = len(tokens)
         query = max(tokens.values())
-        lp = seq = 0
-        get = sched.requests.get
-        for rid, t in tokens.items():
-            req = get(rid)
-            if req is None:
-                continue
-            seq = max(seq, req.num_computed_tokens + t)
-            if _wants_prompt_logprobs(req) and req.num_computed_tokens < req.num_prompt_tokens:
-                lp = max(lp, min(t, req.num_prompt_tokens - req.num_computed_tokens))
-        drafts = sum(len(v) for v in (getattr(out, "scheduled_spec_decode_tokens", None) or {}).values())
-        return StepShape(n, r, lp, query, seq, r + drafts if drafts else 0)
+        lp = 0
+        if self.lp_ids:
+            get = self.scheduler.requests.get
+            for rid in self.lp_ids:
+                t = tokens.get(rid)
+                req = get(rid)
+                if t and req is not None and req.num_computed_tokens < req.num_prompt_tokens:
+                    lp = max(lp, min(t, req.num_prompt_tokens - req.num_computed_tokens))
+        spec = getattr(out, "scheduled_spec_decode_tokens", None)
+        drafts = sum(len(v) for v in spec.values()) if spec else 0
+        return StepShape(n, r, lp, query, max(self._seq_bound, query), r + drafts if drafts else 0)
 
     def batch_shape_for_budget(self, budget: int) -> StepShape:
         """A plain prefill step of ``budget`` tokens, one sequence (tests, benchmarks)."""

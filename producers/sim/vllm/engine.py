@@ -387,6 +387,8 @@ class VllmEngine:
             out = sched.schedule() if self._hold_cap is None and not defer else self._schedule_holding(sched, defer)
         finally:
             sched.max_num_scheduled_tokens = budget
+            if self.governor is not None:
+                self.governor.after_schedule(sched)
         tokens = out.num_scheduled_tokens
         if not tokens:
             self._quiet = False

@@ -20,6 +20,7 @@ from kvguard.producers.vllm.governor import (
     F_GOV_DEFER,
     F_GOV_NO_FIT,
     F_GOV_REFUSED,
+    F_GOV_TOKENS,
     Candidates,
     StepGovernor,
     StepShape,
@@ -83,6 +84,7 @@ class SimGovernor:
         self.fresh_headroom = headroom(engine.memory)
         self.decisions: list[tuple[int, int, int, int]] = []  # (t_ns, flags, budget, tokens removed), for timelines
         self.refusals: list[str] = []
+        self._saved_seqs: int | None = None
 
     # ---------------------------------------------------------------- before schedule()
     def candidates(self, sched, *, with_waiting: bool = True) -> Candidates:
@@ -119,7 +121,7 @@ class SimGovernor:
                 lp = max(lp, left)
         seqs = min(self.engine.profile.max_num_seqs, len(running) + n_wait)
         return Candidates(max(1, seqs), decode_only, _up(lp) if lp else 0,
-                          1 + k if decode_only else _up(max(1, query)), _up(seq_len + k), k)
+                          1 + k if decode_only else _up(max(1, query)), _up(seq_len + k), k, len(running))
 
     def before_schedule(self, sched) -> bool:
         """Set this step's budget; True when the waiting queue must be deferred for the step."""
@@ -144,12 +146,20 @@ class SimGovernor:
                                flags=(alone.flags if alone is not None else 0) | F_GOV_DEFER,
                                tokens_removed=budget - (alone.budget if alone is not None else budget))
         sched.max_num_scheduled_tokens = d.budget
+        if d.max_seqs:
+            self._saved_seqs = sched.config.max_num_seqs
+            sched.config.max_num_seqs = d.max_seqs
         self.engine._quiet = False
         now = self.engine.now_ns
+        held = d.tokens_removed if d.flags & F_GOV_TOKENS else max(0, c.num_seqs - d.max_seqs)
         self.engine.recorder.row(_GOVERN, now, -1, cls=d.cause, flags=d.flags, offset=d.headroom_bytes,
-                                 size=d.predicted_bytes, tokens=d.budget, aux=d.tokens_removed)
+                                 size=d.predicted_bytes, tokens=d.budget, aux=held)
         self.decisions.append((now, d.flags, d.budget, d.tokens_removed))
         return defer
+
+    def after_schedule(self, sched) -> None:
+        if self._saved_seqs is not None:
+            sched.config.max_num_seqs, self._saved_seqs = self._saved_seqs, None
 
     # ---------------------------------------------------------------- at arrival
     def refuse(self, req_id: int, prompt_tokens: int, max_output_tokens: int, wants_logprobs: bool, ts: int) -> bool:

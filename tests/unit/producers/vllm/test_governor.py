@@ -4,6 +4,8 @@ follows measured peaks."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,7 +33,7 @@ def toy_peak(shape: StepShape) -> int:
             + shape.num_seqs * shape.max_seq_len * 256)
 
 
-candidates = st.builds(Candidates, num_seqs=st.integers(1, 256), decode_only=st.booleans(),
+candidates = st.builds(Candidates, num_seqs=st.integers(1, 256), decode_only=st.booleans(), running=st.integers(0, 256),
                        prompt_logprob_tokens=st.sampled_from([0, 256, 4096]), max_query_len=st.integers(1, 8192),
                        max_seq_len=st.integers(1, 32768), spec_tokens=st.sampled_from([0, 0, 3]))
 
@@ -46,7 +48,11 @@ def test_the_budget_is_the_largest_whose_worst_case_fits(c, budget, room):
         assert toy_peak(worst_case(c, budget)) <= avail
         return
     assert toy_peak(worst_case(c, budget)) > avail and d.predicted_bytes == toy_peak(worst_case(c, budget))
-    if d.flags & F_GOV_NO_FIT:
+    if d.max_seqs:  # an admission cap alone: the most sequences that fit at the full budget
+        assert d.flags == F_GOV_SEQS and d.budget == budget and max(1, c.running) <= d.max_seqs < c.num_seqs
+        assert toy_peak(worst_case(replace(c, num_seqs=d.max_seqs), budget)) <= avail
+        assert toy_peak(worst_case(replace(c, num_seqs=d.max_seqs + 1), budget)) > avail
+    elif d.flags & F_GOV_NO_FIT:
         floor = 1 + c.spec_tokens if c.decode_only else 1
         assert toy_peak(worst_case(c, floor)) > avail
     else:
@@ -57,7 +63,7 @@ def test_the_budget_is_the_largest_whose_worst_case_fits(c, budget, room):
 
 
 def test_decode_rows_shrink_to_fewer_sequences_when_speculative_rows_do_not_fit():
-    c = Candidates(num_seqs=256, decode_only=True, max_query_len=4, max_seq_len=2048, spec_tokens=3)
+    c = Candidates(num_seqs=256, decode_only=True, max_query_len=4, max_seq_len=2048, spec_tokens=3, running=256)
     g = StepGovernor(toy_peak, margin_bytes=0)
     room = toy_peak(worst_case(c, 400))  # room for 100 rows of 4 tokens
     d = g.govern(c, 2048, room, bucket_bytes=1)
