@@ -19,6 +19,7 @@ from kvguard.producers.sim.bench_serve import ClosedLoopClient
 from kvguard.producers.sim.profiles import EngineKnobs, ProfileError, prompt_cap_tokens
 from kvguard.producers.sim.registry import engine_kind
 from kvguard.producers.sim.vllm.engine import RETRYABLE_REASONS
+from kvguard.producers.sim.vllm.governed import governor_summary
 from kvguard.producers.sim.workloads import load_workload, with_long_context
 from kvguard.runtime.bootstrap import bootstrap
 from kvguard.wire.eventlog import EventLogWriter
@@ -180,6 +181,7 @@ def _summary(fleet, profile, wl, wall, gpus, rate_scale, seed, events_out, knobs
                 "logprobs_guard": logprobs_guard})
     if logprobs_guard:
         out["logprobs_guard_steps"] = sum(e.logprobs_guard_steps for e in fleet.engines)
+        out["governor"] = governor_summary(fleet.engines)
     _per_gpu(out, fleet, profile)
     return out
 

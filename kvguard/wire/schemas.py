@@ -319,6 +319,8 @@ class _MetricTickDeclared(WireModel):
     logprob_requests_pending: int = Field(0, ge=0)
     logprob_prompt_tokens_pending: int = Field(0, ge=0)
     late_events: int = Field(0, ge=0)
+    governed: int = Field(0, ge=0)
+    never_fits: int = Field(0, ge=0)
 
     def to_tick(self) -> Tick:
         """The core's tick from this validated record: fields the record does not carry take the
