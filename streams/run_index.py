@@ -1,0 +1,240 @@
+"""Sparse, incremental bookkeeping of a mirror's pool: its occupied runs, their free gaps and refcounts.
+
+Pure (numpy + stdlib). Memory is proportional to the live state (occupied runs, referenced pages),
+never to the dynamic region D, and a write costs work proportional to the offsets it changes
+(plus one ``memmove`` of the run arrays when runs appear or disappear), never a scan of D:
+
+``RunIndex``: the occupied runs as sorted arrays ``off`` / ``size`` (> 0) / ``state`` (the mirror's
+run-state codes), the units held per state, and the multiset of free-run sizes (the gaps between
+consecutive occupied runs, the region's ends included: ``free_runs()``'s sizes, those > 0).
+
+The gap multiset is kept exact under any batch of writes by this argument: a gap is identified by
+the pair of consecutive runs around it. Call a gap *touched* by an offset ``u`` when ``u`` is the
+start of one of its two runs, or lies strictly between them. A gap that no written offset touches
+has both its runs unchanged and no run written between them, so it is a gap, of the same size,
+before and after the writes, and untouched in both. Hence removing the sizes of the gaps touched
+in the old state and adding those touched in the new one turns the old multiset into the new.
+``tests/unit/streams/test_run_index.py`` checks it against a from-scratch recomputation
+(hypothesis, overlapping and inconsistent runs included).
+
+``SparseCounts``: per-offset reference counts (> 0 kept, 0 dropped), gathered and written by
+vectorised binary search.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+STATE_FREE = 0
+_N_STATES = 5
+
+
+def _positions(keys: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For sorted ``keys``: the insertion points of ``u`` and whether each is present."""
+    j = np.searchsorted(keys, u)
+    if keys.size == 0:
+        return j, np.zeros(u.size, dtype=bool)
+    return j, keys[np.minimum(j, keys.size - 1)] == u
+
+
+def _upsert(keys: np.ndarray, cols: list[np.ndarray], u: np.ndarray, values: list[np.ndarray],
+            keep: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Write ``values`` at the sorted, unique keys ``u`` of a sorted sparse table; rows where
+    ``keep`` is False are removed (or not inserted)."""
+    j, hit = _positions(keys, u)
+    upd = hit & keep
+    if upd.any():
+        for col, val in zip(cols, values):
+            col[j[upd]] = val[upd]
+    drop = hit & ~keep
+    if drop.any():
+        gone = j[drop]
+        keys = np.delete(keys, gone)
+        cols = [np.delete(col, gone) for col in cols]
+    add = ~hit & keep
+    if add.any():
+        at = np.searchsorted(keys, u[add])
+        keys = np.insert(keys, at, u[add])
+        cols = [np.insert(col, at, val[add]) for col, val in zip(cols, values)]
+    return keys, cols
+
+
+class SparseCounts:
+    """Non-negative counts per offset; absent offsets count 0."""
+
+    __slots__ = ("keys", "vals")
+
+    def __init__(self) -> None:
+        self.keys = np.zeros(0, dtype=np.int64)
+        self.vals = np.zeros(0, dtype=np.int64)
+
+    def get(self, offsets: np.ndarray) -> np.ndarray:
+        offsets = np.asarray(offsets, dtype=np.int64)
+        j, hit = _positions(self.keys, offsets)
+        out = np.zeros(offsets.size, dtype=np.int64)
+        out[hit] = self.vals[j[hit]]
+        return out
+
+    def set(self, offsets: np.ndarray, values: np.ndarray) -> None:
+        """``offsets`` sorted and unique; a value ≤ 0 removes the offset."""
+        values = np.asarray(values, dtype=np.int64)
+        self.keys, (self.vals,) = _upsert(self.keys, [self.vals], np.asarray(offsets, dtype=np.int64),
+                                          [values], values > 0)
+
+    def load(self, offsets: np.ndarray, values: np.ndarray) -> None:
+        offsets, values = np.asarray(offsets, dtype=np.int64), np.asarray(values, dtype=np.int64)
+        keep = values > 0
+        order = np.argsort(offsets[keep], kind="stable")
+        self.keys, self.vals = offsets[keep][order].copy(), values[keep][order].copy()
+
+    def clear(self) -> None:
+        self.__init__()
+
+    def dense(self, units: int) -> np.ndarray:
+        out = np.zeros(units, dtype=np.int64)
+        out[self.keys] = self.vals
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.vals.nbytes
+
+
+class RunIndex:
+    """Occupied runs of a region of ``units`` units, with their gaps and per-state units kept incrementally."""
+
+    __slots__ = ("units", "off", "size", "state", "by_state", "_gaps", "_n_gaps", "_max_gap")
+
+    def __init__(self, units: int) -> None:
+        self.units = int(units)
+        self.clear()
+
+    def clear(self) -> None:
+        self.off = np.zeros(0, dtype=np.int64)
+        self.size = np.zeros(0, dtype=np.int64)
+        self.state = np.zeros(0, dtype=np.int8)
+        self.by_state = np.zeros(_N_STATES, dtype=np.int64)
+        self._gaps: dict[int, int] = {self.units: 1}  # free-run size -> how many
+        self._n_gaps = 1
+        self._max_gap: int | None = self.units
+
+    # ------------------------------------------------------------------ reading
+    def get(self, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(size, state) of the runs starting at ``offsets`` (0, STATE_FREE where none does)."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        j, hit = _positions(self.off, offsets)
+        size = np.zeros(offsets.size, dtype=np.int64)
+        state = np.zeros(offsets.size, dtype=np.int8)
+        size[hit] = self.size[j[hit]]
+        state[hit] = self.state[j[hit]]
+        return size, state
+
+    def free_runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Maximal free runs (offsets, sizes) sorted by offset: O(runs), for snapshots and checksums."""
+        gap_start = np.concatenate(([0], self.off + self.size))
+        gap_end = np.concatenate((self.off, [self.units]))
+        sizes = gap_end - gap_start
+        keep = sizes > 0
+        return gap_start[keep], sizes[keep]
+
+    @property
+    def n_free_runs(self) -> int:
+        return self._n_gaps
+
+    @property
+    def largest_free_run(self) -> int:
+        if self._max_gap is None:
+            self._max_gap = max(self._gaps) if self._gaps else 0
+        return self._max_gap
+
+    def gap_multiset(self) -> dict[int, int]:
+        return dict(self._gaps)
+
+    @property
+    def nbytes(self) -> int:
+        return self.off.nbytes + self.size.nbytes + self.state.nbytes + 64 * len(self._gaps)
+
+    def dense(self) -> tuple[np.ndarray, np.ndarray]:
+        """(run_size, run_state) as D-sized arrays: for tests and debugging, never the hot path."""
+        size = np.zeros(self.units, dtype=np.int64)
+        state = np.zeros(self.units, dtype=np.int8)
+        size[self.off] = self.size
+        state[self.off] = self.state
+        return size, state
+
+    # ------------------------------------------------------------------ writing
+    def write(self, offsets: np.ndarray, sizes: np.ndarray, states: np.ndarray) -> None:
+        """The runs at the sorted, unique ``offsets`` become (size, state); a FREE state or a size
+        ≤ 0 means no run starts there any more."""
+        u = np.asarray(offsets, dtype=np.int64)
+        if u.size == 0:
+            return
+        states = np.asarray(states, dtype=np.int8)
+        sizes = np.where(states != STATE_FREE, np.asarray(sizes, dtype=np.int64), 0)
+        keep = sizes > 0
+        self._gap_update(self._touched_gap_sizes(u), -1)
+        old_size, old_state = self.get(u)
+        was = old_size > 0
+        if was.any():
+            self.by_state -= np.bincount(old_state[was], weights=old_size[was],
+                                         minlength=_N_STATES).astype(np.int64)
+        if keep.any():
+            self.by_state += np.bincount(states[keep], weights=sizes[keep], minlength=_N_STATES).astype(np.int64)
+        self.off, (self.size, self.state) = _upsert(self.off, [self.size, self.state], u, [sizes, states], keep)
+        self._gap_update(self._touched_gap_sizes(u), +1)
+
+    def load(self, offsets: np.ndarray, sizes: np.ndarray, states: np.ndarray) -> None:
+        """Replace every run (a full state dump): rebuilt from scratch, O(runs)."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        sizes = np.asarray(sizes, dtype=np.int64)
+        states = np.asarray(states, dtype=np.int8)
+        # a dense write keeps the last of duplicate offsets, as the dump is applied row by row
+        order = np.argsort(offsets, kind="stable")
+        offsets, sizes, states = offsets[order], sizes[order], states[order]
+        if offsets.size:
+            last = np.append(offsets[1:] != offsets[:-1], True)
+            offsets, sizes, states = offsets[last], sizes[last], states[last]
+        keep = (sizes > 0) & (states != STATE_FREE)
+        self.clear()
+        self.off, self.size, self.state = offsets[keep].copy(), sizes[keep].copy(), states[keep].copy()
+        self.by_state = np.bincount(self.state, weights=self.size, minlength=_N_STATES).astype(np.int64)
+        _, gaps = self.free_runs()
+        self._gaps, self._n_gaps, self._max_gap = {}, 0, None
+        self._gap_update(gaps, +1)
+
+    # ------------------------------------------------------------------ gaps
+    def _touched_gap_sizes(self, u: np.ndarray) -> np.ndarray:
+        """Sizes of the gaps touched by the offsets ``u`` (see the module docstring), each gap once.
+        Gap ``g`` lies before run ``g`` (``g == len(off)``: after the last run)."""
+        off = self.off
+        n = off.size
+        j, hit = _positions(off, u)
+        g = np.unique(np.concatenate((j, j[hit] + 1)))
+        start = np.zeros(g.size, dtype=np.int64)
+        inner = g > 0
+        prev = g[inner] - 1
+        start[inner] = off[prev] + self.size[prev]
+        stop = np.full(g.size, self.units, dtype=np.int64)
+        before = g < n
+        stop[before] = off[g[before]]
+        return stop - start
+
+    def _gap_update(self, sizes: np.ndarray, sign: int) -> None:
+        sizes = sizes[sizes > 0]
+        if sizes.size == 0:
+            return
+        values, counts = np.unique(sizes, return_counts=True)
+        gaps = self._gaps
+        for v, c in zip(values.tolist(), counts.tolist()):
+            left = gaps.get(v, 0) + sign * c
+            if left > 0:
+                gaps[v] = left
+            elif left == 0:
+                gaps.pop(v, None)
+                if v == self._max_gap:
+                    self._max_gap = None
+            else:  # cannot happen with the argument above: fail loudly rather than drift
+                raise AssertionError(f"free-run multiset: removed a gap of {v} units it does not hold")
+        self._n_gaps += sign * int(sizes.size)
+        if sign > 0 and self._max_gap is not None:
+            self._max_gap = max(self._max_gap, int(values[-1]))
