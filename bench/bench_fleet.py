@@ -71,6 +71,7 @@ from kvguard.wire.schemas import decode_batch, encode_batch
 # the recording: per second of event time, the recorded GPUs' batches as wire bytes (None: no
 # batch); a module global so that forked workers share it instead of receiving a copy
 RECORDING: list[list[bytes | None]] = []
+PACKED = False  # --columns packed: the batches as the publisher writes them with packed_columns
 
 
 def record(gpus: int, seconds: float, scenario: str, rate_scale: float, profile_name: str | None,
@@ -84,7 +85,7 @@ def record(gpus: int, seconds: float, scenario: str, rate_scale: float, profile_
         fleet.advance(now)
         row: list[bytes | None] = [None] * gpus
         for batch in fleet.take_batches(now):
-            row[index[batch.node]] = encode_batch(batch)
+            row[index[batch.node]] = encode_batch(batch, packed=PACKED)
             events += len(batch)
         out.append(row)
     return out, events

@@ -37,6 +37,12 @@ def _positions(keys: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return j, keys[np.minimum(j, keys.size - 1)] == u
 
 
+def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    """``np.unique`` by a sort (numpy's hash-based unique costs far more on the small arrays here)."""
+    a = np.sort(a)
+    return a[np.append(True, a[1:] != a[:-1])] if a.size else a
+
+
 def _upsert(keys: np.ndarray, cols: list[np.ndarray], u: np.ndarray, values: list[np.ndarray],
             keep: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     """Write ``values`` at the sorted, unique keys ``u`` of a sorted sparse table; rows where
@@ -209,7 +215,7 @@ class RunIndex:
         off = self.off
         n = off.size
         j, hit = _positions(off, u)
-        g = np.unique(np.concatenate((j, j[hit] + 1)))
+        g = _sorted_unique(np.concatenate((j, j[hit] + 1)))
         start = np.zeros(g.size, dtype=np.int64)
         inner = g > 0
         prev = g[inner] - 1
@@ -223,7 +229,9 @@ class RunIndex:
         sizes = sizes[sizes > 0]
         if sizes.size == 0:
             return
-        values, counts = np.unique(sizes, return_counts=True)
+        sizes = np.sort(sizes)
+        first = np.flatnonzero(np.append(True, sizes[1:] != sizes[:-1]))
+        values, counts = sizes[first], np.diff(np.append(first, sizes.size))
         gaps = self._gaps
         for v, c in zip(values.tolist(), counts.tolist()):
             left = gaps.get(v, 0) + sign * c
