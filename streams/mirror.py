@@ -317,10 +317,12 @@ class AllocatorMirror:
         np.not_equal(sorted_off[1:], sorted_off[:-1], out=new_group[1:])
         starts = _nonzero(new_group)
         group = np.cumsum(new_group) - 1
-        base = self.refcounts.get(sorted_off[starts]) - (cum[starts] - sorted_delta[starts])
+        offsets = sorted_off[starts]  # each offset once, ascending: the same as sorted_off[ends]
+        before, found = self.refcounts.lookup(offsets)
+        base = before - (cum[starts] - sorted_delta[starts])
         post_sorted = cum + base[group]
         ends = np.append(starts[1:] - 1, sorted_off.size - 1)
-        self.refcounts.set(sorted_off[ends], np.maximum(post_sorted[ends], 0))
+        self.refcounts.set(offsets, np.maximum(post_sorted[ends], 0), found)
         post = np.empty_like(post_sorted)
         post[order] = post_sorted
         return post

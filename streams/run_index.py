@@ -44,25 +44,43 @@ def _sorted_unique(a: np.ndarray) -> np.ndarray:
 
 
 def _upsert(keys: np.ndarray, cols: list[np.ndarray], u: np.ndarray, values: list[np.ndarray],
-            keep: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+            keep: np.ndarray, found: tuple[np.ndarray, np.ndarray] | None = None
+            ) -> tuple[np.ndarray, list[np.ndarray]]:
     """Write ``values`` at the sorted, unique keys ``u`` of a sorted sparse table; rows where
-    ``keep`` is False are removed (or not inserted)."""
-    j, hit = _positions(keys, u)
+    ``keep`` is False are removed (or not inserted). ``found``: ``_positions(keys, u)`` if known.
+    Rows written in place; removals and insertions in one merge per column (no ``np.insert``)."""
+    j, hit = found if found is not None else _positions(keys, u)
     upd = hit & keep
-    if upd.any():
+    ju = j[upd]
+    if ju.size:
         for col, val in zip(cols, values):
-            col[j[upd]] = val[upd]
+            col[ju] = val[upd]
     drop = hit & ~keep
-    if drop.any():
-        gone = j[drop]
-        keys = np.delete(keys, gone)
-        cols = [np.delete(col, gone) for col in cols]
     add = ~hit & keep
-    if add.any():
-        at = np.searchsorted(keys, u[add])
-        keys = np.insert(keys, at, u[add])
-        cols = [np.insert(col, at, val[add]) for col, val in zip(cols, values)]
-    return keys, cols
+    n_drop, n_add = int(np.count_nonzero(drop)), int(np.count_nonzero(add))
+    if not n_drop and not n_add:
+        return keys, cols
+    if n_drop:
+        stay = np.ones(keys.size, dtype=bool)
+        stay[j[drop]] = False
+        keys = keys[stay]
+        cols = [col[stay] for col in cols]
+    if not n_add:
+        return keys, cols
+    ua = u[add]
+    final = keys.searchsorted(ua) + np.arange(n_add)  # where the new keys land in the merged table
+    old = np.ones(keys.size + n_add, dtype=bool)
+    old[final] = False
+    merged_keys = np.empty(old.size, dtype=keys.dtype)
+    merged_keys[old] = keys
+    merged_keys[final] = ua
+    merged = []
+    for col, val in zip(cols, values):
+        m = np.empty(old.size, dtype=col.dtype)
+        m[old] = col
+        m[final] = val[add]
+        merged.append(m)
+    return merged_keys, merged
 
 
 class SparseCounts:
@@ -75,17 +93,23 @@ class SparseCounts:
         self.vals = np.zeros(0, dtype=np.int64)
 
     def get(self, offsets: np.ndarray) -> np.ndarray:
+        return self.lookup(offsets)[0]
+
+    def lookup(self, offsets: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """The counts at ``offsets`` and where they are (for a ``set`` of the same offsets)."""
         offsets = np.asarray(offsets, dtype=np.int64)
-        j, hit = _positions(self.keys, offsets)
+        j, hit = found = _positions(self.keys, offsets)
         out = np.zeros(offsets.size, dtype=np.int64)
         out[hit] = self.vals[j[hit]]
-        return out
+        return out, found
 
-    def set(self, offsets: np.ndarray, values: np.ndarray) -> None:
-        """``offsets`` sorted and unique; a value ≤ 0 removes the offset."""
+    def set(self, offsets: np.ndarray, values: np.ndarray,
+            found: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """``offsets`` sorted and unique; a value ≤ 0 removes the offset. ``found``: from a
+        ``lookup`` of the same offsets with no write in between."""
         values = np.asarray(values, dtype=np.int64)
         self.keys, (self.vals,) = _upsert(self.keys, [self.vals], np.asarray(offsets, dtype=np.int64),
-                                          [values], values > 0)
+                                          [values], values > 0, found)
 
     def load(self, offsets: np.ndarray, values: np.ndarray) -> None:
         offsets, values = np.asarray(offsets, dtype=np.int64), np.asarray(values, dtype=np.int64)
@@ -178,15 +202,15 @@ class RunIndex:
         states = np.asarray(states, dtype=np.int8)
         sizes = np.where(states != STATE_FREE, np.asarray(sizes, dtype=np.int64), 0)
         keep = sizes > 0
-        self._gap_update(self._touched_gap_sizes(u), -1)
-        old_size, old_state = self.get(u)
-        was = old_size > 0
-        if was.any():
-            self.by_state -= np.bincount(old_state[was], weights=old_size[was],
-                                         minlength=_N_STATES).astype(np.int64)
+        found = _positions(self.off, u)
+        self._gap_update(self._touched_gap_sizes(u, found), -1)
+        jh = found[0][found[1]]
+        if jh.size:  # the runs written over leave their units
+            self.by_state -= np.bincount(self.state[jh], weights=self.size[jh], minlength=_N_STATES).astype(np.int64)
         if keep.any():
             self.by_state += np.bincount(states[keep], weights=sizes[keep], minlength=_N_STATES).astype(np.int64)
-        self.off, (self.size, self.state) = _upsert(self.off, [self.size, self.state], u, [sizes, states], keep)
+        self.off, (self.size, self.state) = _upsert(self.off, [self.size, self.state], u, [sizes, states], keep,
+                                                    found)
         self._gap_update(self._touched_gap_sizes(u), +1)
 
     def load(self, offsets: np.ndarray, sizes: np.ndarray, states: np.ndarray) -> None:
@@ -209,12 +233,12 @@ class RunIndex:
         self._gap_update(gaps, +1)
 
     # ------------------------------------------------------------------ gaps
-    def _touched_gap_sizes(self, u: np.ndarray) -> np.ndarray:
+    def _touched_gap_sizes(self, u: np.ndarray, found: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """Sizes of the gaps touched by the offsets ``u`` (see the module docstring), each gap once.
         Gap ``g`` lies before run ``g`` (``g == len(off)``: after the last run)."""
         off = self.off
         n = off.size
-        j, hit = _positions(off, u)
+        j, hit = found if found is not None else _positions(off, u)
         g = _sorted_unique(np.concatenate((j, j[hit] + 1)))
         start = np.zeros(g.size, dtype=np.int64)
         inner = g > 0
