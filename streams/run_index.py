@@ -203,15 +203,19 @@ class RunIndex:
         sizes = np.where(states != STATE_FREE, np.asarray(sizes, dtype=np.int64), 0)
         keep = sizes > 0
         found = _positions(self.off, u)
-        self._gap_update(self._touched_gap_sizes(u, found), -1)
-        jh = found[0][found[1]]
+        j, hit = found
+        # only states change (same runs, same sizes, e.g. freed pages kept as prefix cache): the gaps stay
+        same_runs = bool(hit.all() and keep.all() and np.array_equal(self.size[j], sizes))
+        old_gaps = None if same_runs else self._touched_gap_sizes(u, found)
+        jh = j[hit]
         if jh.size:  # the runs written over leave their units
             self.by_state -= np.bincount(self.state[jh], weights=self.size[jh], minlength=_N_STATES).astype(np.int64)
         if keep.any():
             self.by_state += np.bincount(states[keep], weights=sizes[keep], minlength=_N_STATES).astype(np.int64)
         self.off, (self.size, self.state) = _upsert(self.off, [self.size, self.state], u, [sizes, states], keep,
                                                     found)
-        self._gap_update(self._touched_gap_sizes(u), +1)
+        if old_gaps is not None:
+            self._gap_delta(old_gaps, self._touched_gap_sizes(u))
 
     def load(self, offsets: np.ndarray, sizes: np.ndarray, states: np.ndarray) -> None:
         """Replace every run (a full state dump): rebuilt from scratch, O(runs)."""
@@ -248,6 +252,31 @@ class RunIndex:
         before = g < n
         stop[before] = off[g[before]]
         return stop - start
+
+    def _gap_delta(self, old: np.ndarray, new: np.ndarray) -> None:
+        """The multiset loses the gap sizes ``old`` and gains ``new`` (those > 0), in one pass over
+        the sizes whose count changes."""
+        old, new = np.sort(old[old > 0]), np.sort(new[new > 0])
+        if np.array_equal(old, new):
+            return
+        values, inverse = np.unique(np.concatenate((old, new)), return_inverse=True)
+        net = np.bincount(inverse, weights=np.concatenate((-np.ones(old.size), np.ones(new.size))),
+                          minlength=values.size).astype(np.int64)
+        changed = np.flatnonzero(net)
+        gaps = self._gaps
+        for v, c in zip(values[changed].tolist(), net[changed].tolist()):
+            left = gaps.get(v, 0) + c
+            if left > 0:
+                gaps[v] = left
+            elif left == 0:
+                gaps.pop(v, None)
+                if v == self._max_gap:
+                    self._max_gap = None
+            else:  # cannot happen with the argument above: fail loudly rather than drift
+                raise AssertionError(f"free-run multiset: removed a gap of {v} units it does not hold")
+            if c > 0 and self._max_gap is not None and v > self._max_gap:
+                self._max_gap = v
+        self._n_gaps += new.size - old.size
 
     def _gap_update(self, sizes: np.ndarray, sign: int) -> None:
         sizes = sizes[sizes > 0]
