@@ -20,14 +20,17 @@ process (the bus and the agent's wait to fill a chunk are not in it; ``bench_dec
 measures those end to end). Throughput counts the stages' wall time, not the replay's own.
 
 Phases: (1) soak: one worker for ``--soak-s`` wall seconds, RSS sampled every ``--rss-every-s``,
-growth measured from the end of ``--warmup-passes`` passes to the end of the soak (a mirror's
-arrays, ~17 bytes per KV unit, are zero pages until touched; after the first restarts glibc raises
-its mmap threshold and later mirrors come from the heap, resident once used: RSS settles within
-three passes, at ~6 MB per GPU of the default profile); (2) scale-out: the second pass (the
+growth measured from the end of ``--warmup-passes`` passes to the end of the soak, and per GPU
+above the RSS before any node's state (a mirror holds its occupied runs and references, not
+D-sized arrays: ``mirror_bytes_per_gpu``); (2) scale-out: the second pass (the
 first builds every node's state) with one worker process, then with ``--workers`` processes,
 each owning the nodes of its partitions (``crc32(node) % workers``, as Kafka keys records by
-node); the ratio is fleet events/s with N workers over events/s with one. It cannot exceed the
-free cores (``cpu_count`` and ``load_avg_1m`` in the output).
+node); ``ratio_wall`` is fleet events/s with N workers over events/s with one (it cannot exceed
+the free cores: ``cpu_count`` and ``load_avg_1m`` in the output), ``ratio_cpu`` the same by CPU
+time: the workers' events per CPU-second summed, over one worker's (what N free cores would give).
+
+CPU time per stage (``stage_events_per_cpu_s``) gives ``fleet_path_over_core``: the in-process
+core's CPU-seconds over the whole path's (decode + core + policy), in the same run.
 
 "No lost tick": every node's every full pass must give as many ticks as its first (same events,
 same times), and no batch may be rejected, dropped or missing (``core_counters``, ``seq_gaps``).

@@ -306,7 +306,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scenario", default="azure-conv")
     ap.add_argument("--rate-scale", type=float, default=8.0, help="of the recorded GPUs together (8: ~90 running each)")
     ap.add_argument("--columns", choices=("packed", "json"), default="packed")
-    ap.add_argument("--flush-s", type=float, default=0.5, help="node.flush_interval_s")
+    ap.add_argument("--flush-s", type=float, default=0.1, help="node.flush_interval_s (its default)")
     ap.add_argument("--tick-s", type=float, default=10.0, help="streams.tick_s (its default)")
     ap.add_argument("--soak-s", type=float, default=120.0)
     ap.add_argument("--join-s", type=float, default=15.0, help="wait for the worker group to join")
