@@ -27,6 +27,7 @@ import numpy as np
 
 STATE_FREE = 0
 _N_STATES = 5
+_MIN_PENDING = 2048  # written offsets kept unmerged at least up to this many
 
 
 def _positions(keys: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -133,86 +134,146 @@ class SparseCounts:
 class RunIndex:
     """Occupied runs of a region of ``units`` units, with their gaps and per-state units kept incrementally."""
 
-    __slots__ = ("units", "off", "size", "state", "by_state", "_gaps", "_n_gaps", "_max_gap")
+    __slots__ = ("units", "_off", "_size", "_state", "_by_state", "_gaps", "_n_gaps", "_max_gap", "_pending",
+                 "_pending_n")
 
     def __init__(self, units: int) -> None:
         self.units = int(units)
         self.clear()
 
     def clear(self) -> None:
-        self.off = np.zeros(0, dtype=np.int64)
-        self.size = np.zeros(0, dtype=np.int64)
-        self.state = np.zeros(0, dtype=np.int8)
-        self.by_state = np.zeros(_N_STATES, dtype=np.int64)
+        self._off = np.zeros(0, dtype=np.int64)
+        self._size = np.zeros(0, dtype=np.int64)
+        self._state = np.zeros(0, dtype=np.int8)
+        self._by_state = np.zeros(_N_STATES, dtype=np.int64)
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # writes not merged yet
+        self._pending_n = 0
         self._gaps: dict[int, int] = {self.units: 1}  # free-run size -> how many
         self._n_gaps = 1
         self._max_gap: int | None = self.units
 
     # ------------------------------------------------------------------ reading
+    # every reader merges the pending writes first (``_flush``)
+    @property
+    def off(self) -> np.ndarray:
+        self._flush()
+        return self._off
+
+    @property
+    def size(self) -> np.ndarray:
+        self._flush()
+        return self._size
+
+    @property
+    def state(self) -> np.ndarray:
+        self._flush()
+        return self._state
+
+    @property
+    def by_state(self) -> np.ndarray:
+        self._flush()
+        return self._by_state
+
     def get(self, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(size, state) of the runs starting at ``offsets`` (0, STATE_FREE where none does)."""
+        self._flush()
         offsets = np.asarray(offsets, dtype=np.int64)
-        j, hit = _positions(self.off, offsets)
+        j, hit = _positions(self._off, offsets)
         size = np.zeros(offsets.size, dtype=np.int64)
         state = np.zeros(offsets.size, dtype=np.int8)
-        size[hit] = self.size[j[hit]]
-        state[hit] = self.state[j[hit]]
+        size[hit] = self._size[j[hit]]
+        state[hit] = self._state[j[hit]]
         return size, state
 
     def free_runs(self) -> tuple[np.ndarray, np.ndarray]:
         """Maximal free runs (offsets, sizes) sorted by offset: O(runs), for snapshots and checksums."""
-        gap_start = np.concatenate(([0], self.off + self.size))
-        gap_end = np.concatenate((self.off, [self.units]))
+        self._flush()
+        gap_start = np.concatenate(([0], self._off + self._size))
+        gap_end = np.concatenate((self._off, [self.units]))
         sizes = gap_end - gap_start
         keep = sizes > 0
         return gap_start[keep], sizes[keep]
 
     @property
     def n_free_runs(self) -> int:
+        self._flush()
         return self._n_gaps
 
     @property
     def largest_free_run(self) -> int:
+        self._flush()
         if self._max_gap is None:
             self._max_gap = max(self._gaps) if self._gaps else 0
         return self._max_gap
 
     def gap_multiset(self) -> dict[int, int]:
+        self._flush()
         return dict(self._gaps)
 
     @property
     def nbytes(self) -> int:
-        return self.off.nbytes + self.size.nbytes + self.state.nbytes + 64 * len(self._gaps)
+        self._flush()
+        return self._off.nbytes + self._size.nbytes + self._state.nbytes + 64 * len(self._gaps)
 
     def dense(self) -> tuple[np.ndarray, np.ndarray]:
         """(run_size, run_state) as D-sized arrays: for tests and debugging, never the hot path."""
+        self._flush()
         size = np.zeros(self.units, dtype=np.int64)
         state = np.zeros(self.units, dtype=np.int8)
-        size[self.off] = self.size
-        state[self.off] = self.state
+        size[self._off] = self._size
+        state[self._off] = self._state
         return size, state
 
     # ------------------------------------------------------------------ writing
     def write(self, offsets: np.ndarray, sizes: np.ndarray, states: np.ndarray) -> None:
         """The runs at the sorted, unique ``offsets`` become (size, state); a FREE state or a size
-        ≤ 0 means no run starts there any more."""
+        ≤ 0 means no run starts there any more.
+
+        Deferred: the writes are kept as they come and merged into the runs, the per-state units
+        and the gap multiset in one step when a reader needs them or when they reach a quarter of
+        the runs (``_flush``), so a batch costs its own offsets, and the O(runs) merge is paid once
+        per many batches. Merging the union of several writes (the last one per offset wins) is
+        the same as merging them one by one: the gap argument above holds for any set of written
+        offsets between two states."""
         u = np.asarray(offsets, dtype=np.int64)
         if u.size == 0:
             return
         states = np.asarray(states, dtype=np.int8)
         sizes = np.where(states != STATE_FREE, np.asarray(sizes, dtype=np.int64), 0)
+        self._pending.append((u, sizes, states))
+        self._pending_n += u.size
+        if self._pending_n > max(_MIN_PENDING, self._off.size // 4):
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        if len(self._pending) == 1:
+            u, sizes, states = self._pending[0]
+        else:
+            cat_u = np.concatenate([p[0] for p in self._pending])
+            cat_size = np.concatenate([p[1] for p in self._pending])
+            cat_state = np.concatenate([p[2] for p in self._pending])
+            u, first_in_reversed = np.unique(cat_u[::-1], return_index=True)
+            last = cat_u.size - 1 - first_in_reversed
+            sizes, states = cat_size[last], cat_state[last]
+        self._pending.clear()
+        self._pending_n = 0
+        self._merge(u, sizes, states)
+
+    def _merge(self, u: np.ndarray, sizes: np.ndarray, states: np.ndarray) -> None:
         keep = sizes > 0
-        found = _positions(self.off, u)
+        found = _positions(self._off, u)
         j, hit = found
         # only states change (same runs, same sizes, e.g. freed pages kept as prefix cache): the gaps stay
-        same_runs = bool(hit.all() and keep.all() and np.array_equal(self.size[j], sizes))
+        same_runs = bool(hit.all() and keep.all() and np.array_equal(self._size[j], sizes))
         old_gaps = None if same_runs else self._touched_gap_sizes(u, found)
         jh = j[hit]
         if jh.size:  # the runs written over leave their units
-            self.by_state -= np.bincount(self.state[jh], weights=self.size[jh], minlength=_N_STATES).astype(np.int64)
+            self._by_state -= np.bincount(self._state[jh], weights=self._size[jh], minlength=_N_STATES).astype(np.int64)
         if keep.any():
-            self.by_state += np.bincount(states[keep], weights=sizes[keep], minlength=_N_STATES).astype(np.int64)
-        self.off, (self.size, self.state) = _upsert(self.off, [self.size, self.state], u, [sizes, states], keep,
+            self._by_state += np.bincount(states[keep], weights=sizes[keep], minlength=_N_STATES).astype(np.int64)
+        self._off, (self._size, self._state) = _upsert(self._off, [self._size, self._state], u, [sizes, states], keep,
                                                     found)
         if old_gaps is not None:
             self._gap_delta(old_gaps, self._touched_gap_sizes(u))
@@ -230,8 +291,8 @@ class RunIndex:
             offsets, sizes, states = offsets[last], sizes[last], states[last]
         keep = (sizes > 0) & (states != STATE_FREE)
         self.clear()
-        self.off, self.size, self.state = offsets[keep].copy(), sizes[keep].copy(), states[keep].copy()
-        self.by_state = np.bincount(self.state, weights=self.size, minlength=_N_STATES).astype(np.int64)
+        self._off, self._size, self._state = offsets[keep].copy(), sizes[keep].copy(), states[keep].copy()
+        self._by_state = np.bincount(self._state, weights=self._size, minlength=_N_STATES).astype(np.int64)
         _, gaps = self.free_runs()
         self._gaps, self._n_gaps, self._max_gap = {}, 0, None
         self._gap_update(gaps, +1)
@@ -240,14 +301,14 @@ class RunIndex:
     def _touched_gap_sizes(self, u: np.ndarray, found: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """Sizes of the gaps touched by the offsets ``u`` (see the module docstring), each gap once.
         Gap ``g`` lies before run ``g`` (``g == len(off)``: after the last run)."""
-        off = self.off
+        off = self._off
         n = off.size
         j, hit = found if found is not None else _positions(off, u)
         g = _sorted_unique(np.concatenate((j, j[hit] + 1)))
         start = np.zeros(g.size, dtype=np.int64)
         inner = g > 0
         prev = g[inner] - 1
-        start[inner] = off[prev] + self.size[prev]
+        start[inner] = off[prev] + self._size[prev]
         stop = np.full(g.size, self.units, dtype=np.int64)
         before = g < n
         stop[before] = off[g[before]]

@@ -29,12 +29,14 @@ writes = st.lists(st.tuples(st.integers(0, 63), st.integers(0, 12), st.integers(
 
 
 @settings(max_examples=150, deadline=None)
-@given(batches=st.lists(writes, min_size=1, max_size=12), units=st.sampled_from([1, 7, 64]))
-def test_incremental_gaps_equal_a_full_recomputation(batches, units):
+@given(batches=st.lists(writes, min_size=1, max_size=12), units=st.sampled_from([1, 7, 64]),
+       read_every=st.integers(1, 4))
+def test_incremental_gaps_equal_a_full_recomputation(batches, units, read_every):
+    """Read after every write, or after several (deferred writes merged as one)."""
     index = RunIndex(units)
     size = np.zeros(units, dtype=np.int64)
     state = np.zeros(units, dtype=np.int8)
-    for batch in batches:
+    for i, batch in enumerate(batches):
         rows = [(o % units, s, k) for o, s, k in batch]
         last = {o: (s, k) for o, s, k in rows}  # last write wins, as the mirror folds a batch
         offs = np.array(sorted(last), dtype=np.int64)
@@ -44,6 +46,8 @@ def test_incremental_gaps_equal_a_full_recomputation(batches, units):
         for o, (s, k) in last.items():
             size[o] = s if k != STATE_FREE else 0
             state[o] = k if size[o] else STATE_FREE
+        if i % read_every and i != len(batches) - 1:
+            continue
         gaps, by_state, runs = dense_reference(size, state, units)
         assert index.gap_multiset() == gaps
         assert index.n_free_runs == sum(gaps.values())
