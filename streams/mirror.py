@@ -44,7 +44,7 @@ from kvguard.contracts.events import (
 )
 from kvguard.contracts.units import DEFAULT_PRIORITY
 from kvguard.streams.allocator_layer import AllocatorLayer
-from kvguard.streams.run_index import RunIndex, SparseCounts
+from kvguard.streams.run_index import RunIndex, SparseCounts, index_dtype
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class AllocatorMirror:
         self.alpha = alpha
         self.beta = beta
         self.runs = RunIndex(self.units)
-        self.refcounts = SparseCounts()
+        self.refcounts = SparseCounts(index_dtype(self.units))
         self.tokens_stored = 0
         self._refs = np.zeros(0, dtype=np.int64)  # sorted keys slot * D + offset
         self._ref_log_keys: list[np.ndarray] = []
@@ -573,7 +573,7 @@ class AllocatorMirror:
                             self.evicted_requests_total,
                             -1 if self.last_ts_ns is None else self.last_ts_ns], dtype=np.int64)
         return {
-            "run_offset": occ.astype(np.int64), "run_size": self.runs.size.copy(),
+            "run_offset": occ.astype(np.int64), "run_size": self.runs.size.astype(np.int64),
             "run_state": self.runs.state.copy(), "run_refcount": self.refcounts.get(occ),
             "ref_req": self._req[keys // self.units], "ref_offset": keys % self.units,
             "req": self._req[:n], "req_priority": self._priority[:n], "req_prompt": self._prompt[:n],

@@ -30,8 +30,15 @@ _N_STATES = 5
 _MIN_PENDING = 2048  # written offsets kept unmerged at least up to this many
 
 
+def index_dtype(units: int) -> np.dtype:
+    """Offsets and sizes of a region of ``units`` units: int32 (half the bytes) while an offset
+    plus a size cannot pass its range, int64 beyond."""
+    return np.dtype(np.int32) if units < 2**30 else np.dtype(np.int64)
+
+
 def _positions(keys: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For sorted ``keys``: the insertion points of ``u`` and whether each is present."""
+    u = u.astype(keys.dtype, copy=False)  # a mixed-dtype search would convert the whole table
     j = np.searchsorted(keys, u)
     if keys.size == 0:
         return j, np.zeros(u.size, dtype=bool)
@@ -68,7 +75,7 @@ def _upsert(keys: np.ndarray, cols: list[np.ndarray], u: np.ndarray, values: lis
         cols = [col[stay] for col in cols]
     if not n_add:
         return keys, cols
-    ua = u[add]
+    ua = u[add].astype(keys.dtype, copy=False)
     final = keys.searchsorted(ua) + np.arange(n_add)  # where the new keys land in the merged table
     old = np.ones(keys.size + n_add, dtype=bool)
     old[final] = False
@@ -87,11 +94,12 @@ def _upsert(keys: np.ndarray, cols: list[np.ndarray], u: np.ndarray, values: lis
 class SparseCounts:
     """Non-negative counts per offset; absent offsets count 0."""
 
-    __slots__ = ("keys", "vals")
+    __slots__ = ("keys", "vals", "dtype")
 
-    def __init__(self) -> None:
-        self.keys = np.zeros(0, dtype=np.int64)
-        self.vals = np.zeros(0, dtype=np.int64)
+    def __init__(self, dtype=np.int64) -> None:
+        self.dtype = np.dtype(dtype)
+        self.keys = np.zeros(0, dtype=self.dtype)
+        self.vals = np.zeros(0, dtype=self.dtype)
 
     def get(self, offsets: np.ndarray) -> np.ndarray:
         return self.lookup(offsets)[0]
@@ -116,10 +124,10 @@ class SparseCounts:
         offsets, values = np.asarray(offsets, dtype=np.int64), np.asarray(values, dtype=np.int64)
         keep = values > 0
         order = np.argsort(offsets[keep], kind="stable")
-        self.keys, self.vals = offsets[keep][order].copy(), values[keep][order].copy()
+        self.keys, self.vals = offsets[keep][order].astype(self.dtype), values[keep][order].astype(self.dtype)
 
     def clear(self) -> None:
-        self.__init__()
+        self.__init__(self.dtype)
 
     def dense(self, units: int) -> np.ndarray:
         out = np.zeros(units, dtype=np.int64)
@@ -134,16 +142,17 @@ class SparseCounts:
 class RunIndex:
     """Occupied runs of a region of ``units`` units, with their gaps and per-state units kept incrementally."""
 
-    __slots__ = ("units", "_off", "_size", "_state", "_by_state", "_gaps", "_n_gaps", "_max_gap", "_pending",
-                 "_pending_n")
+    __slots__ = ("units", "dtype", "_off", "_size", "_state", "_by_state", "_gaps", "_n_gaps", "_max_gap",
+                 "_pending", "_pending_n")
 
     def __init__(self, units: int) -> None:
         self.units = int(units)
+        self.dtype = index_dtype(self.units)
         self.clear()
 
     def clear(self) -> None:
-        self._off = np.zeros(0, dtype=np.int64)
-        self._size = np.zeros(0, dtype=np.int64)
+        self._off = np.zeros(0, dtype=self.dtype)
+        self._size = np.zeros(0, dtype=self.dtype)
         self._state = np.zeros(0, dtype=np.int8)
         self._by_state = np.zeros(_N_STATES, dtype=np.int64)
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # writes not merged yet
@@ -188,8 +197,9 @@ class RunIndex:
     def free_runs(self) -> tuple[np.ndarray, np.ndarray]:
         """Maximal free runs (offsets, sizes) sorted by offset: O(runs), for snapshots and checksums."""
         self._flush()
-        gap_start = np.concatenate(([0], self._off + self._size))
-        gap_end = np.concatenate((self._off, [self.units]))
+        off = self._off.astype(np.int64)
+        gap_start = np.concatenate(([0], off + self._size))
+        gap_end = np.concatenate((off, [self.units]))
         sizes = gap_end - gap_start
         keep = sizes > 0
         return gap_start[keep], sizes[keep]
@@ -291,7 +301,8 @@ class RunIndex:
             offsets, sizes, states = offsets[last], sizes[last], states[last]
         keep = (sizes > 0) & (states != STATE_FREE)
         self.clear()
-        self._off, self._size, self._state = offsets[keep].copy(), sizes[keep].copy(), states[keep].copy()
+        self._off, self._size = offsets[keep].astype(self.dtype), sizes[keep].astype(self.dtype)
+        self._state = states[keep].copy()
         self._by_state = np.bincount(self._state, weights=self._size, minlength=_N_STATES).astype(np.int64)
         _, gaps = self.free_runs()
         self._gaps, self._n_gaps, self._max_gap = {}, 0, None
