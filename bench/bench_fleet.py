@@ -20,14 +20,17 @@ process (the bus and the agent's wait to fill a chunk are not in it; ``bench_dec
 measures those end to end). Throughput counts the stages' wall time, not the replay's own.
 
 Phases: (1) soak: one worker for ``--soak-s`` wall seconds, RSS sampled every ``--rss-every-s``,
-growth measured from the end of ``--warmup-passes`` passes to the end of the soak (a mirror's
-arrays, ~17 bytes per KV unit, are zero pages until touched; after the first restarts glibc raises
-its mmap threshold and later mirrors come from the heap, resident once used: RSS settles within
-three passes, at ~6 MB per GPU of the default profile); (2) scale-out: the second pass (the
+growth measured from the end of ``--warmup-passes`` passes to the end of the soak, and per GPU
+above the RSS before any node's state (a mirror holds its occupied runs and references, not
+D-sized arrays: ``mirror_bytes_per_gpu``); (2) scale-out: the second pass (the
 first builds every node's state) with one worker process, then with ``--workers`` processes,
 each owning the nodes of its partitions (``crc32(node) % workers``, as Kafka keys records by
-node); the ratio is fleet events/s with N workers over events/s with one. It cannot exceed the
-free cores (``cpu_count`` and ``load_avg_1m`` in the output).
+node); ``ratio_wall`` is fleet events/s with N workers over events/s with one (it cannot exceed
+the free cores: ``cpu_count`` and ``load_avg_1m`` in the output), ``ratio_cpu`` the same by CPU
+time: the workers' events per CPU-second summed, over one worker's (what N free cores would give).
+
+CPU time per stage (``stage_events_per_cpu_s``) gives ``fleet_path_over_core``: the in-process
+core's CPU-seconds over the whole path's (decode + core + policy), in the same run.
 
 "No lost tick": every node's every full pass must give as many ticks as its first (same events,
 same times), and no batch may be rejected, dropped or missing (``core_counters``, ``seq_gaps``).
@@ -71,6 +74,7 @@ from kvguard.wire.schemas import decode_batch, encode_batch
 # the recording: per second of event time, the recorded GPUs' batches as wire bytes (None: no
 # batch); a module global so that forked workers share it instead of receiving a copy
 RECORDING: list[list[bytes | None]] = []
+PACKED = False  # --columns packed: the batches as the publisher writes them with packed_columns
 
 
 def record(gpus: int, seconds: float, scenario: str, rate_scale: float, profile_name: str | None,
@@ -84,7 +88,7 @@ def record(gpus: int, seconds: float, scenario: str, rate_scale: float, profile_
         fleet.advance(now)
         row: list[bytes | None] = [None] * gpus
         for batch in fleet.take_batches(now):
-            row[index[batch.node]] = encode_batch(batch)
+            row[index[batch.node]] = encode_batch(batch, packed=PACKED)
             events += len(batch)
         out.append(row)
     return out, events
@@ -138,6 +142,7 @@ class Worker:
         self.pass_no = 0
         self.events = self.batches = self.ticks = self.commands = self.stale = 0
         self.cpu_s = 0.0
+        self.stage_cpu_s = {"wire": 0.0, "core": 0.0, "policy": 0.0}
         # per node: [its current epoch, that epoch's ticks, ticks of its first full epoch, all equal]
         self.passes: dict[str, list] = {}
         self.stage_s: dict[str, list[float]] = {"wire": [], "core": [], "policy": [], "decision": []}
@@ -148,15 +153,18 @@ class Worker:
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         batches = [dataclasses.replace(decode_batch(value), node=name, epoch=epoch) for _, name, epoch, value in raw]
-        t1 = time.perf_counter()
+        t1, cpu1 = time.perf_counter(), time.process_time()
         ticks, _alerts = self.core.process_many(batches)
-        t2 = time.perf_counter()
+        t2, cpu2 = time.perf_counter(), time.process_time()
         for tick in ticks:
             decision = self.engine.decide(tick)
             self.commands += len(decision.commands)
             self.stale += bool(decision.stale)
-        t3 = time.perf_counter()
-        self.cpu_s += time.process_time() - cpu0
+        t3, cpu3 = time.perf_counter(), time.process_time()
+        self.cpu_s += cpu3 - cpu0
+        self.stage_cpu_s["wire"] += cpu1 - cpu0
+        self.stage_cpu_s["core"] += cpu2 - cpu1
+        self.stage_cpu_s["policy"] += cpu3 - cpu2
         for name, seconds in (("wire", t1 - t0), ("core", t2 - t1), ("policy", t3 - t2), ("decision", t3 - t0)):
             self.stage_s[name].append(seconds)
         self.batches += len(batches)
@@ -200,6 +208,10 @@ class Worker:
                 "stale_decisions": self.stale, "chunks": len(self.stage_s["decision"]),
                 "events_per_s": round(self.events / busy) if busy else None,
                 "events_per_cpu_s": round(self.events / self.cpu_s) if self.cpu_s else None,
+                "cpu_s_per_million_events": round(self.cpu_s / self.events * 1e6, 3) if self.events else None,
+                "stage_events_per_cpu_s": {k: round(self.events / v) if v else None for k, v in self.stage_cpu_s.items()},
+                # the fleet path (decode + core + policy) over the in-process core alone, both by CPU time
+                "fleet_path_over_core": round(self.stage_cpu_s["core"] / self.cpu_s, 3) if self.cpu_s else None,
                 "ticks_per_s": round(self.ticks / busy, 1) if busy else None,
                 "stage_share": {name: round(sum(self.stage_s[name]) / busy, 3) for name in ("wire", "core", "policy")}
                 if busy else None,
@@ -211,6 +223,8 @@ class Worker:
 
 
 def soak(args) -> dict:
+    gc.collect()
+    baseline = rss_mb()  # the interpreter, the imports and the recording, before any node's state
     worker = Worker(fleet_nodes(args.gpus), args)
     start = time.monotonic()
     samples = [(0.0, round(rss_mb(), 1))]
@@ -232,7 +246,11 @@ def soak(args) -> dict:
         "rss_mb": samples, "warmup_passes": args.warmup_passes, "warmup_s": warm[0] if warm else None,
         "rss_after_warmup_mb": warm[1] if warm else None, "rss_end_mb": end[1],
         "rss_growth_after_warmup_pct": round((end[1] - warm[1]) / warm[1] * 100, 2) if warm else None,
-        "rss_per_gpu_mb": round(end[1] / args.gpus, 2),
+        "rss_per_gpu_mb": round(end[1] / args.gpus, 3),
+        "rss_baseline_mb": round(baseline, 1),
+        "rss_per_gpu_above_baseline_mb": round((end[1] - baseline) / args.gpus, 3),
+        "mirror_bytes_per_gpu": round(sum(st.mirror.nbytes for st in worker.core.nodes.values() if st.mirror is not None)
+                                      / max(1, len(worker.core.nodes))),
     })
     return out
 
@@ -243,11 +261,11 @@ def _scale_worker(index: int, n: int, args, barrier, results) -> None:
     barrier.wait()
     while worker.step() < 1:  # the first pass: every node joins, its state is built
         pass
-    events, t0 = worker.events, time.monotonic()
+    events, t0, cpu0 = worker.events, time.monotonic(), worker.cpu_s
     while worker.step() < 2:  # the second, measured: a fleet in its steady state
         pass
     results.put({"worker": index, "nodes": len(nodes), "events": worker.events - events, "start": t0,
-                 "end": time.monotonic()})
+                 "end": time.monotonic(), "cpu_s": worker.cpu_s - cpu0})
 
 
 def scale_out(n: int, args) -> dict:
@@ -261,12 +279,15 @@ def scale_out(n: int, args) -> dict:
         p.join()
     wall = max(r["end"] for r in parts) - min(r["start"] for r in parts)
     events = sum(r["events"] for r in parts)
+    # capacity by CPU time: each worker's events per CPU-second, summed (what N free cores would do)
+    capacity = sum(r["events"] / r["cpu_s"] for r in parts if r["cpu_s"] > 0)
     return {"workers": n, "events": events, "wall_s": round(wall, 2), "events_per_s": round(events / wall),
+            "cpu_s": round(sum(r["cpu_s"] for r in parts), 2), "events_per_cpu_s_summed": round(capacity),
             "nodes_per_worker": sorted(r["nodes"] for r in parts)}
 
 
 def main(argv=None) -> int:
-    global RECORDING
+    global RECORDING, PACKED
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=1000)
     ap.add_argument("--record-gpus", type=int, default=16, help="GPUs the shadow engine records")
@@ -280,12 +301,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rss-every-s", type=float, default=10.0)
     ap.add_argument("--workers", type=int, default=2, help="processes of the scale-out phase (< 2: skip it)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--columns", choices=("packed", "json"), default="packed",
+                    help="wire form of the batches (packed: NodePublisher(packed_columns=True))")
     args = ap.parse_args(argv)
     for name in ("gpus", "record_gpus", "chunk", "warmup_passes"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: expected >= 1")
     if not args.record_s >= 1:
         ap.error("--record-s: expected >= 1")
+    PACKED = args.columns == "packed"
     logging.disable(logging.WARNING)  # every pass restarts every node, each logged; the counters say it
 
     t0 = time.perf_counter()
@@ -294,7 +318,7 @@ def main(argv=None) -> int:
     record_s = time.perf_counter() - t0
     out = {
         "bench": "fleet", "gpus": args.gpus, "record_gpus": args.record_gpus, "record_s": args.record_s,
-        "profile": args.profile, "scenario": args.scenario, "rate_scale": args.rate_scale, "chunk": args.chunk,
+        "profile": args.profile, "columns": args.columns, "scenario": args.scenario, "rate_scale": args.rate_scale, "chunk": args.chunk,
         "recorded_events": recorded_events, "recording_wall_s": round(record_s, 2), "cpu_count": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "fleet_events_per_event_s": round(recorded_events / args.record_s * args.gpus / args.record_gpus),
@@ -307,7 +331,8 @@ def main(argv=None) -> int:
         single = scale_out(1, args)
         many = scale_out(args.workers, args)
         out["scale_out"] = {"one": single, "many": many,
-                            "ratio": round(many["events_per_s"] / single["events_per_s"], 2),
+                            "ratio_wall": round(many["events_per_s"] / single["events_per_s"], 2),
+                            "ratio_cpu": round(many["events_per_cpu_s_summed"] / single["events_per_cpu_s_summed"], 2),
                             "load_avg_1m": round(os.getloadavg()[0], 2)}
     json.dump(out, sys.stdout)
     print()

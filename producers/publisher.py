@@ -97,6 +97,7 @@ class NodePublisher:
         max_in_flight: int = 256,
         retry_backoff_s: tuple[float, float] = (0.05, 2.0),
         max_message_bytes: int = 1_048_576,
+        packed_columns: bool = False,
     ):
         if flush_interval_s <= 0:
             raise ValueError(f"flush_interval_s must be > 0, got {flush_interval_s}")
@@ -114,6 +115,8 @@ class NodePublisher:
         self.max_in_flight = max_in_flight
         self.retry_backoff_s = retry_backoff_s
         self.max_value_bytes = max_message_bytes - _RECORD_OVERHEAD_BYTES
+        # packed columns (schema 1.1, kvguard.wire.fastcols): cheaper to decode; only once every worker reads 1.1
+        self.packed_columns = packed_columns
         self._seq_shift: dict[str, tuple[int, int]] = {}  # node -> (epoch, seqs added by splits)
         self.counters = PublisherCounters()
         self._buffer: OrderedDict[int, _Entry] = OrderedDict()
@@ -146,7 +149,7 @@ class NodePublisher:
             shift = 0
         if shift:
             batch = replace(batch, seq=batch.seq + shift)
-        value = encode_batch(batch)
+        value = encode_batch(batch, packed=self.packed_columns)
         if len(value) <= self.max_value_bytes:
             self._add(batch, value)
         else:
@@ -171,7 +174,7 @@ class NodePublisher:
         parts = max(2, -(-len(value) // int(self.max_value_bytes * 0.8)))
         while True:
             pieces = split_batch(batch, min(parts, max(1, n)))
-            encoded = [encode_batch(p) for p in pieces]
+            encoded = [encode_batch(p, packed=self.packed_columns) for p in pieces]
             if all(len(v) <= self.max_value_bytes for v in encoded) or parts >= n:
                 return [(p, v if len(v) <= self.max_value_bytes else None) for p, v in zip(pieces, encoded)]
             parts *= 2

@@ -13,8 +13,11 @@ cached free block, ``inactive_split_bytes`` (free blocks inside segments that st
 allocated block: cached memory that ``empty_cache()`` cannot return) and the allocator's F_ext
 (1 − largest free block / cached free bytes). Pure: numpy and the standard library.
 
-Segments are few (tens to hundreds) and change rarely, so the free-block figures are recomputed
-from the segment's sorted block list when asked, not maintained row by row.
+Segments are few (tens to hundreds) and change rarely. The figures are kept incrementally: the
+reserved bytes as a running sum, and per segment its free-block summary (largest free block, free
+bytes, whether it holds a block), recomputed only for the segments a row changed since the last
+``metrics()`` (the dirty set), so a tick costs the segments that changed plus one pass over the
+per-segment summaries, never a walk of every block.
 
 Expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) grow and shrink by
 mapping and unmapping pages of one reserved address range: their SEG_ALLOC / SEG_FREE rows carry
@@ -68,6 +71,9 @@ class AllocatorLayer:
         self.expandable: set[int] = set()  # segments that are mapped runs of expandable ranges
         self.allocated_bytes = 0
         self.alloc_retries = 0
+        self.reserved_bytes = 0
+        self._summary: dict[int, tuple[int, int]] = {}  # segment -> (largest free block, split bytes)
+        self._dirty: set[int] = set()
 
     def reset(self) -> None:
         """The engine process died: its allocator is gone with it."""
@@ -102,12 +108,17 @@ class AllocatorLayer:
         self.segment_size[address] = size
         self.blocks_of[address] = []
         insort(self.starts, address)
+        self.reserved_bytes += size
+        self._dirty.add(address)
 
     def _segment_free(self, address: int) -> None:
         if self.blocks_of.get(address):
             raise AllocatorLayerError(f"SEG_FREE at {address:#x}: the segment still holds allocated blocks")
-        if self.segment_size.pop(address, None) is None:
+        size = self.segment_size.pop(address, None)
+        if size is None:
             raise AllocatorLayerError(f"SEG_FREE at {address:#x}: no such segment")
+        self.reserved_bytes -= size
+        self._forget(address)
         del self.blocks_of[address]
         self.starts.remove(address)
         self.expandable.discard(address)
@@ -140,6 +151,8 @@ class AllocatorLayer:
             self.block_segment[block] = left
             insort(self.blocks_of[left], block)
         self.segment_size[left] += self.segment_size.pop(right)
+        self._forget(right)
+        self._dirty.add(left)
         self.starts.remove(right)
         self.expandable.discard(right)
 
@@ -154,7 +167,8 @@ class AllocatorLayer:
         if any(b < end and b + self.block_size[b] > address for b in blocks):
             raise AllocatorLayerError(f"SEG_FREE (unmapped) at {address:#x}: allocated blocks lie in those pages")
         self.blocks_of[run] = []
-        self.segment_size.pop(run)
+        self.reserved_bytes -= self.segment_size.pop(run)
+        self._forget(run)
         del self.blocks_of[run]
         self.starts.remove(run)
         self.expandable.discard(run)
@@ -182,6 +196,7 @@ class AllocatorLayer:
         self.block_size[address] = size
         self.block_segment[address] = segment
         self.allocated_bytes += size
+        self._dirty.add(segment)
 
     def _block_free(self, address: int) -> None:
         size = self.block_size.pop(address, None)
@@ -190,7 +205,11 @@ class AllocatorLayer:
         segment = self.block_segment.pop(address)
         self.blocks_of[segment].remove(address)
         self.allocated_bytes -= size
+        self._dirty.add(segment)
 
+    def _forget(self, segment: int) -> None:
+        self._summary.pop(segment, None)
+        self._dirty.discard(segment)
     def free_blocks(self, segment: int) -> list[int]:
         """Sizes of the free blocks of one segment (the gaps between its allocated blocks)."""
         start, end = segment, segment + self.segment_size[segment]
@@ -204,14 +223,13 @@ class AllocatorLayer:
         return gaps
 
     def metrics(self) -> AllocatorMetrics:
-        reserved = sum(self.segment_size.values())
-        largest = split = 0
-        for segment, blocks in self.blocks_of.items():
+        for segment in self._dirty:
             gaps = self.free_blocks(segment)
-            if gaps:
-                largest = max(largest, max(gaps))
-                if blocks:
-                    split += sum(gaps)
+            self._summary[segment] = (max(gaps) if gaps else 0, sum(gaps) if gaps and self.blocks_of[segment] else 0)
+        self._dirty.clear()
+        reserved = self.reserved_bytes
+        largest = max((s[0] for s in self._summary.values()), default=0)
+        split = sum(s[1] for s in self._summary.values())
         free = reserved - self.allocated_bytes
         return AllocatorMetrics(reserved_bytes=reserved, allocated_bytes=self.allocated_bytes,
                                 inactive_split_bytes=split, largest_free_block_bytes=largest,

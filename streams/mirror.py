@@ -1,18 +1,22 @@
 """The allocator mirror: one GPU's paged pool rebuilt from its event stream, vectorised over batches.
 
 Pure (numpy + stdlib). The mirror keeps the pool's occupied runs keyed by their start offset, in
-arrays the size of the dynamic region D:
+sparse structures whose size follows the live state, never the dynamic region D
+(``kvguard.streams.run_index``):
 
-- ``run_size[o]`` / ``run_state[o]``: the run starting at unit ``o`` (0 / ``STATE_FREE`` when none);
-- ``refcount[o]``: how many requests reference the live page at ``o``;
+- ``runs``: the occupied runs (offset, size, state), with the units per state and the multiset of
+  free-run sizes kept incrementally, so a batch costs work proportional to the offsets it writes;
+- ``refcounts``: how many requests reference the live page at each offset (> 0 only);
 - request references as a sorted array of keys ``slot * D + offset`` (one per request and page),
   plus a log of added/dropped references that is folded in only when a query needs it (ticks).
 
 Why keyed by offset and not by unit: an event changes one run, so the final state of a run after a
 batch is the state written by the *last* event at its offset ("last write wins"), computed for the
 whole batch with one ``np.unique``; refcounts are grouped cumulative sums per offset. Free runs are
-the gaps between occupied runs, computed only when asked (``metrics()``/``free_runs()``), which the
-stream does at tick boundaries. RESET, MIGRATE and SNAPSHOT rows are barriers handled one by one.
+the gaps between occupied runs: their count and the largest come from the incremental multiset
+(``metrics()``), their list is built from the runs when a snapshot is checked (``free_runs()``).
+RESET, MIGRATE and SNAPSHOT rows are barriers handled one by one. ``run_size`` / ``run_state`` /
+``refcount`` give D-sized views for tests only.
 
 The metric definitions are those of docs/CONTRACTS.md ("Exact metric definitions"); with a
 consistent event stream the mirror's values equal the pool's bit for bit.
@@ -40,6 +44,7 @@ from kvguard.contracts.events import (
 )
 from kvguard.contracts.units import DEFAULT_PRIORITY
 from kvguard.streams.allocator_layer import AllocatorLayer
+from kvguard.streams.run_index import RunIndex, SparseCounts, index_dtype
 
 log = logging.getLogger(__name__)
 
@@ -154,9 +159,8 @@ class AllocatorMirror:
         self.reserved_frac = geometry.reserved_frac if reserved_frac is None else reserved_frac
         self.alpha = alpha
         self.beta = beta
-        self.run_size = np.zeros(self.units, dtype=np.int64)
-        self.run_state = np.zeros(self.units, dtype=np.int8)
-        self.refcount = np.zeros(self.units, dtype=np.int64)
+        self.runs = RunIndex(self.units)
+        self.refcounts = SparseCounts(index_dtype(self.units))
         self.tokens_stored = 0
         self._refs = np.zeros(0, dtype=np.int64)  # sorted keys slot * D + offset
         self._ref_log_keys: list[np.ndarray] = []
@@ -234,14 +238,10 @@ class AllocatorMirror:
         size = np.asarray(state.size, dtype=np.int64)
         if off.size and (off.min() < 0 or int((off + size).max()) > self.units):
             raise MirrorError(f"PoolState runs exceed the dynamic region of {self.units} units")
-        self.run_size[:] = 0
-        self.run_state[:] = STATE_FREE
-        self.refcount[:] = 0
-        self.run_size[off] = size
-        self.run_state[off] = np.asarray(state.state, dtype=np.int64) + 1
+        self.runs.load(off, size, np.asarray(state.state, dtype=np.int64) + 1)
         refs = state.refs
         counts = np.fromiter((len(r) for r in refs), dtype=np.int64, count=len(refs))
-        self.refcount[off] = counts
+        self._load_refcounts(off, counts)
         keys = [self._slot(int(r)) * self.units + int(o)
                 for o, holders in zip(off.tolist(), refs) for r in holders]
         self._refs = np.unique(np.asarray(keys, dtype=np.int64))
@@ -298,9 +298,7 @@ class AllocatorMirror:
                 raise MirrorError(f"event row {bad}: offset {int(off[bad])} outside D={self.units}")
             uniq, first_in_reversed = np.unique(w_off[::-1], return_index=True)
             last = w[w.size - 1 - first_in_reversed]
-            new_state = write[last]
-            self.run_state[uniq] = new_state
-            self.run_size[uniq] = np.where(new_state != STATE_FREE, size[last], 0)
+            self.runs.write(uniq, size[last], write[last])
 
         self._apply_requests(ev, kind, ref_rows, delta)
         evict = kind == _EVICT
@@ -324,10 +322,12 @@ class AllocatorMirror:
         np.not_equal(sorted_off[1:], sorted_off[:-1], out=new_group[1:])
         starts = _nonzero(new_group)
         group = np.cumsum(new_group) - 1
-        base = self.refcount[sorted_off[starts]] - (cum[starts] - sorted_delta[starts])
+        offsets = sorted_off[starts]  # each offset once, ascending: the same as sorted_off[ends]
+        before, found = self.refcounts.lookup(offsets)
+        base = before - (cum[starts] - sorted_delta[starts])
         post_sorted = cum + base[group]
         ends = np.append(starts[1:] - 1, sorted_off.size - 1)
-        self.refcount[sorted_off[ends]] = np.maximum(post_sorted[ends], 0)
+        self.refcounts.set(offsets, np.maximum(post_sorted[ends], 0), found)
         post = np.empty_like(post_sorted)
         post[order] = post_sorted
         return post
@@ -421,6 +421,15 @@ class AllocatorMirror:
             self._ref_log_deltas.clear()
         return self._refs
 
+    def _load_refcounts(self, offsets: np.ndarray, counts: np.ndarray) -> None:
+        """Refcounts of a dump (the last of duplicate offsets wins, as a dense write would)."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        if offsets.size:
+            uniq, first_in_reversed = np.unique(offsets[::-1], return_index=True)
+            counts = np.asarray(counts, dtype=np.int64)[offsets.size - 1 - first_in_reversed]
+            offsets = uniq
+        self.refcounts.load(offsets, counts)
+
     def _migrate(self, row: np.ndarray) -> None:
         old = int(row["offset"][0])
         new = int(row["aux"][0])
@@ -428,9 +437,13 @@ class AllocatorMirror:
             raise MirrorError(f"MIGRATE from {old} to {new} outside D={self.units}")
         if old == new:
             return
-        size, state, refs = int(self.run_size[old]), int(self.run_state[old]), int(self.refcount[old])
-        self.run_size[old], self.run_state[old], self.refcount[old] = 0, STATE_FREE, 0
-        self.run_size[new], self.run_state[new], self.refcount[new] = size, state, refs
+        (size,), (state,) = self.runs.get(np.array([old]))
+        (refs,) = self.refcounts.get(np.array([old]))
+        pair = np.array(sorted((old, new)), dtype=np.int64)
+        moved_first = pair[0] == new
+        self.runs.write(pair, np.array([size, 0] if moved_first else [0, size]),
+                        np.array([state, STATE_FREE] if moved_first else [STATE_FREE, state]))
+        self.refcounts.set(pair, np.array([refs, 0] if moved_first else [0, refs]))
         keys = self._fold_refs()
         moved = (keys % self.units) == old
         if moved.any():
@@ -440,9 +453,8 @@ class AllocatorMirror:
 
     def _reset(self) -> None:
         self.allocator.reset()
-        self.run_size[:] = 0
-        self.run_state[:] = STATE_FREE
-        self.refcount[:] = 0
+        self.runs.clear()
+        self.refcounts.clear()
         self._refs = np.zeros(0, dtype=np.int64)
         self._ref_log_keys.clear()
         self._ref_log_deltas.clear()
@@ -464,30 +476,42 @@ class AllocatorMirror:
 
     # ------------------------------------------------------------------ queries
     def free_runs(self) -> tuple[np.ndarray, np.ndarray]:
-        """Maximal free runs (offsets, sizes), sorted by offset."""
-        occ = _nonzero(self.run_size)
-        ends = occ + self.run_size[occ]
-        gap_start = np.concatenate(([0], ends))
-        gap_end = np.concatenate((occ, [self.units]))
-        sizes = gap_end - gap_start
-        keep = sizes > 0
-        return gap_start[keep], sizes[keep]
+        """Maximal free runs (offsets, sizes), sorted by offset (O(occupied runs))."""
+        return self.runs.free_runs()
+
+    # D-sized views of the runs and refcounts: for tests and debugging only (they cost O(D))
+    @property
+    def run_size(self) -> np.ndarray:
+        return self.runs.dense()[0]
+
+    @property
+    def run_state(self) -> np.ndarray:
+        return self.runs.dense()[1]
+
+    @property
+    def refcount(self) -> np.ndarray:
+        return self.refcounts.dense(self.units)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the mirror's arrays (runs, refcounts, references, the request table)."""
+        arrays = (self._refs, self._req, self._priority, self._prompt, self._flags, self._arrival, self._last_ts,
+                  self._life, self._index_slots, self.kind_counts, *self._ref_log_keys, *self._ref_log_deltas)
+        return self.runs.nbytes + self.refcounts.nbytes + sum(a.nbytes for a in arrays)
 
     def metrics(self) -> MirrorMetrics:
         if self._metrics_cache is not None:
             return self._metrics_cache
-        occ = _nonzero(self.run_size)
-        by_state = np.bincount(self.run_state[occ], weights=self.run_size[occ], minlength=5).astype(np.int64)
-        _, free_sizes = self.free_runs()
+        by_state = self.runs.by_state
         live, cached, retained, workspace = (int(by_state[s]) for s in
                                              (STATE_LIVE, STATE_CACHED, STATE_RETAINED, STATE_WORKSPACE))
         free_units = self.units - live - cached - retained - workspace
-        largest = int(free_sizes.max()) if free_sizes.size else 0
+        largest = self.runs.largest_free_run
         fe = pressure.f_ext(free_units, largest)
         fi = pressure.f_int(self.tokens_stored, live, self.geometry.unit_tokens)
         self._metrics_cache = MirrorMetrics(
             live_units=live, cached_units=cached, retained_units=retained, workspace_units=workspace,
-            free_units=free_units, largest_free_run=largest, n_free_runs=int(free_sizes.size),
+            free_units=free_units, largest_free_run=largest, n_free_runs=self.runs.n_free_runs,
             tokens_stored=self.tokens_stored, u_kv=live / self.units, f_ext=fe, f_int=fi,
             psi=pressure.psi(live, workspace, self.units, fe, fi, self.reserved_frac, self.alpha, self.beta),
         )
@@ -502,10 +526,10 @@ class AllocatorMirror:
         n = self._n_slots
         slot = keys // self.units
         offset = keys % self.units
-        size = self.run_size[offset]
+        size, _ = self.runs.get(offset)
         pages = np.bincount(slot, minlength=n)[:n]
         units = np.bincount(slot, weights=size, minlength=n)[:n].astype(np.int64)
-        shared = np.bincount(slot, weights=size * (self.refcount[offset] > 1), minlength=n)[:n]
+        shared = np.bincount(slot, weights=size * (self.refcounts.get(offset) > 1), minlength=n)[:n]
         return RequestTable(
             req=self._req[:n].copy(), pages=pages, units=units, shared_units=shared.astype(np.int64),
             priority=self._priority[:n].copy(), prompt_tokens=self._prompt[:n].copy(),
@@ -546,7 +570,7 @@ class AllocatorMirror:
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Everything needed to rebuild this mirror, as compact arrays (see ``from_state_arrays``)."""
         keys = self._fold_refs()
-        occ = _nonzero(self.run_size)
+        occ = self.runs.off
         n = self._n_slots
         scalars = np.array([self.tokens_stored, int(self.synced), self.drift_count, self.resync_count,
                             self.unsynced_count, self.snapshot_checks, self.step_tokens_total,
@@ -554,8 +578,8 @@ class AllocatorMirror:
                             self.evicted_requests_total,
                             -1 if self.last_ts_ns is None else self.last_ts_ns], dtype=np.int64)
         return {
-            "run_offset": occ.astype(np.int64), "run_size": self.run_size[occ],
-            "run_state": self.run_state[occ], "run_refcount": self.refcount[occ],
+            "run_offset": occ.astype(np.int64), "run_size": self.runs.size.astype(np.int64),
+            "run_state": self.runs.state.copy(), "run_refcount": self.refcounts.get(occ),
             "ref_req": self._req[keys // self.units], "ref_offset": keys % self.units,
             "req": self._req[:n], "req_priority": self._priority[:n], "req_prompt": self._prompt[:n],
             "req_flags": self._flags[:n],
@@ -569,9 +593,8 @@ class AllocatorMirror:
     def from_state_arrays(cls, geometry: Geometry, arrays: dict[str, np.ndarray], **kwargs) -> "AllocatorMirror":
         m = cls(geometry, **kwargs)
         off = arrays["run_offset"]
-        m.run_size[off] = arrays["run_size"]
-        m.run_state[off] = arrays["run_state"]
-        m.refcount[off] = arrays["run_refcount"]
+        m.runs.load(off, arrays["run_size"], arrays["run_state"])
+        m._load_refcounts(off, arrays["run_refcount"])
         for r in arrays["req"].tolist():
             m._slot(int(r))
         n = m._n_slots

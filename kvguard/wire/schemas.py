@@ -53,6 +53,7 @@ from kvguard.contracts.node_id import node_id_problem
 from kvguard.contracts.tick import Tick, tick_group
 from kvguard.contracts.tick import Candidate as TickCandidate
 from kvguard.contracts.units import DEFAULT_PRIORITY
+from kvguard.wire.fastcols import PACKED_SCHEMA_VERSION, PackedColumnError, pack_columns, unpack_columns
 from kvguard.wire.validate import DEFAULT_LIMITS, InvalidRecord, WireLimits, check_batch_fields, check_tick_values
 
 SCHEMA_VERSION = "1.0"
@@ -267,9 +268,16 @@ def batch_to_wire_dict(batch: EventBatch) -> dict[str, Any]:
     return record
 
 
-def encode_batch(batch: EventBatch) -> bytes:
-    """EventBatch -> JSON bytes (columns as arrays), without a per-event Python loop."""
-    return orjson.dumps(batch_to_wire_dict(batch), option=orjson.OPT_SERIALIZE_NUMPY)
+def encode_batch(batch: EventBatch, *, packed: bool = False) -> bytes:
+    """EventBatch -> JSON bytes, without a per-event Python loop: columns as JSON arrays, or with
+    ``packed`` as packed columns (``colsb``, schema 1.1: ``kvguard.wire.fastcols``, which readers of
+    1.0 refuse)."""
+    record = batch_to_wire_dict(batch)
+    if packed:
+        record["schema"] = PACKED_SCHEMA_VERSION
+        record["colsb"] = pack_columns(batch.events)
+        del record["cols"]
+    return orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def decode_batch(value: bytes | bytearray | memoryview | None, headers: Any = None, *,
@@ -597,6 +605,13 @@ def decode(kind: str, value: bytes | bytearray | memoryview | None, headers: Any
     if major != MAJORS[kind]:
         raise DecodeError("unknown_major", f"schema {data.get('schema')!r}: this reader knows {MAJORS[kind]}.x"
                                            + _OLD_MAJORS.get((kind, major), ""))
+    if kind == "events" and "colsb" in data:  # packed columns (kvguard.wire.fastcols)
+        if "cols" in data:
+            raise DecodeError("invalid", "cols and colsb: a batch carries its columns one way")
+        try:
+            data["cols"] = unpack_columns(data.pop("colsb"))
+        except PackedColumnError as exc:
+            raise DecodeError("invalid", str(exc)) from None
     try:
         model = model_cls.model_validate(data)
     except ValidationError as exc:

@@ -5,6 +5,7 @@ import asyncio
 import time
 
 import numpy as np
+import orjson
 import pytest
 
 from kvguard.bus.inproc import InprocBus
@@ -41,14 +42,16 @@ def merged_node_a() -> list[EventBatch]:
     return [a[0], big, EventBatch(node="a", seq=2, events=a[-1].events)]
 
 
-async def test_an_oversized_batch_is_split_to_fit_and_gives_the_same_ticks():
+@pytest.mark.parametrize("packed", [False, True])
+async def test_an_oversized_batch_is_split_to_fit_and_gives_the_same_ticks(packed):
     batches = merged_node_a()
     bus = InprocBus(auto_create=True)
-    publisher = NodePublisher(bus, TOPIC, one_source(batches), max_message_bytes=2048 + 12_000)
+    publisher = NodePublisher(bus, TOPIC, one_source(batches), max_message_bytes=2048 + 12_000, packed_columns=packed)
     assert await publisher.flush(timeout_s=5)
     records = await published(bus)
     assert all(len(r.value) <= 12_000 for r in records)
     wire = [decode_batch(r.value) for r in records]
+    assert all(("colsb" in orjson.loads(r.value)) == packed for r in records)
     assert [b.seq for b in wire] == list(range(len(wire))) and len(wire) > len(batches)
     assert sum(len(b) for b in wire) == sum(len(b) for b in batches)
     assert publisher.counters.batches_split == 1 and publisher.counters.batches_oversized == 0

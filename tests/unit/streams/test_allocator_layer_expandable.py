@@ -90,3 +90,48 @@ def test_the_mirror_follows_an_engine_with_expandable_segments_through_empty_cac
     assert layer.metrics().reserved_bytes == stats["reserved_bytes"]
     assert layer.metrics().allocated_bytes == sum(block for _, block, _, _ in engine.memory.persistent.values()) > 0
     assert layer.metrics().segments == len(engine.memory.twin.snapshot()["segments"])
+
+
+def _from_scratch(layer: AllocatorLayer) -> tuple[int, int, int]:
+    """Reserved bytes, largest free block and inactive split bytes by a walk of every segment."""
+    largest = split = 0
+    for segment, blocks in layer.blocks_of.items():
+        gaps = layer.free_blocks(segment)
+        if gaps:
+            largest = max(largest, max(gaps))
+            split += sum(gaps) if blocks else 0
+    return sum(layer.segment_size.values()), largest, split
+
+
+def test_incremental_figures_equal_a_walk_of_every_segment_through_maps_unmaps_and_blocks():
+    """Random maps, unmaps, plain segments and blocks (refused rows included): after every row the
+    layer's kept figures equal a from-scratch walk, asked for after each row or only now and then."""
+    import random
+
+    for seed in range(6):
+        rng = random.Random(seed)
+        eager, lazy = AllocatorLayer(), AllocatorLayer()
+        for i in range(400):
+            kind = rng.choice([EventKind.SEG_ALLOC, EventKind.SEG_FREE, EventKind.BLK_ALLOC, EventKind.BLK_ALLOC,
+                               EventKind.BLK_FREE])
+            mapped = rng.random() < 0.5
+            address = BASE + rng.randrange(0, 64) * MB
+            size = rng.randrange(1, 8) * MB
+            segment = rng.choice(sorted(eager.segment_size) or [BASE])
+            if kind == EventKind.BLK_FREE and eager.block_size:
+                address = rng.choice(sorted(eager.block_size))
+            if kind == EventKind.BLK_ALLOC:
+                address, size = segment + rng.randrange(0, 4) * MB, rng.randrange(1, 3) * MB
+            aux = SEG_MAPPED if mapped and kind in (EventKind.SEG_ALLOC, EventKind.SEG_FREE) else segment
+            for layer in (eager, lazy):
+                try:
+                    layer.apply(rows((kind, address, size, aux)))
+                except AllocatorLayerError:
+                    pass
+            m = eager.metrics()
+            assert (m.reserved_bytes, m.largest_free_block_bytes, m.inactive_split_bytes) == _from_scratch(eager)
+            if i % 37 == 0:
+                m = lazy.metrics()
+                assert (m.reserved_bytes, m.largest_free_block_bytes, m.inactive_split_bytes) == _from_scratch(lazy)
+        assert eager.metrics() == lazy.metrics()
+        assert len(eager.segment_size) > 0 and eager.block_size
