@@ -55,8 +55,9 @@ def rca_command(
         err.print(f"[yellow]warning:[/] the model was trained on {model_tick:g} s ticks, replaying at "
                   f"{settings.streams.tick_s:g} s: P(OOM) is off its calibration")
     core = graph.stream_core(with_predictor=not no_lstm)
+    skipped = []  # invalid batch lines: reported and left out, as the stream worker dead-letters them
     try:
-        meta, batches = read_event_log(events)
+        meta, batches = read_event_log(events, on_invalid=_warn_skipped(err, skipped))
         with err.status(f"replaying {events}") as status:
             rep = rca.replay(batches, core, node=node,
                              progress=lambda n: status.update(f"replaying {events}: {n:,} events"))
@@ -66,10 +67,16 @@ def rca_command(
     if node is not None and node not in rep.nodes:
         typer.echo(f"error: --node {node!r}: not in {events} (nodes: {meta.get('nodes', '?')})", err=True)
         raise typer.Exit(2)
+    if skipped and not any(nr.events for nr in rep.nodes.values()):
+        typer.echo(f"error: {events}: no valid batch ({len(skipped)} skipped, the first: {skipped[0].describe()})",
+                   err=True)
+        raise typer.Exit(2)
+    rep.skipped[:0] = [s.to_dict() for s in skipped]
     reports = rca.analyse(rep, window_s=window_s)
     summ = rca.summary(rep, reports)
     out = {"events": str(events), "meta": meta, "ooms": [r.to_dict() for r in reports],
-           "nodes": rca.node_summaries(rep, reports), "summary": summ, "predictor": graph.predictor_note}
+           "nodes": rca.node_summaries(rep, reports), "summary": summ, "predictor": graph.predictor_note,
+           "skipped_batches": rep.skipped}
     if report is not None:
         report.mkdir(parents=True, exist_ok=True)
         images = {}
@@ -84,6 +91,14 @@ def rca_command(
         typer.echo(json.dumps(out))
     else:
         _print(out, reports)
+
+
+def _warn_skipped(err, skipped: list):
+    """``read_event_log``'s ``on_invalid``: say which batch was left out and why, keep it for the report."""
+    def note(s) -> None:
+        skipped.append(s)
+        typer.echo(f"warning: {s.describe()}", err=True)
+    return note
 
 
 def _safe(node: str) -> str:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from kvguard.contracts.events import EventBatch, EventKind
+from kvguard.contracts.events import EventBatch, EventKind, OomCause, OomLayer
 from kvguard.contracts.tiers import ALERT_TIERS, TIER_NAMES
 from kvguard.contracts.units import NS_PER_S
 from kvguard.ml.dataset import firing_by_tier
@@ -45,6 +45,16 @@ class TickRow:
     largest_free_run_units: int
     requests_waiting: int
     p_oom: float | None
+    epoch: int = 0  # the producer run: ts_ns orders ticks only within one epoch (a restart's clock starts over)
+    alloc_reserved_bytes: int = 0
+    alloc_allocated_bytes: int = 0
+    alloc_f_ext: float = 0.0
+    preemptions: int = 0
+    ooms: int = 0
+    arrivals: int = 0
+    requests_running: int = 0
+    unit_bytes: int = 0
+    partial: bool = False
 
     @classmethod
     def of(cls, tick) -> "TickRow":
@@ -52,7 +62,12 @@ class TickRow:
                    f_int=float(tick.f_int), psi=float(tick.psi), free_units=int(tick.free_units),
                    largest_free_run_units=int(tick.largest_free_run_units),
                    requests_waiting=int(tick.requests_waiting),
-                   p_oom=None if tick.p_oom is None else float(tick.p_oom))
+                   p_oom=None if tick.p_oom is None else float(tick.p_oom), epoch=int(getattr(tick, "epoch", 0)),
+                   alloc_reserved_bytes=int(tick.alloc_reserved_bytes),
+                   alloc_allocated_bytes=int(tick.alloc_allocated_bytes), alloc_f_ext=float(tick.alloc_f_ext),
+                   preemptions=int(tick.preemptions), ooms=int(tick.ooms), arrivals=int(tick.arrivals),
+                   requests_running=int(tick.requests_running), unit_bytes=int(tick.unit_bytes),
+                   partial=bool(tick.partial))
 
 
 @dataclass(slots=True)
@@ -65,6 +80,9 @@ class OomRow:
     requested_units: int
     largest_free_run: int
     free_units: int | None
+    epoch: int = 0
+    layer: int = 0  # OomLayer: KV_ARENA (units) or ALLOCATOR (bytes)
+    cause: int = 0  # OomCause (the row's flags)
 
 
 @dataclass(slots=True)
@@ -89,9 +107,11 @@ class NodeReplay:
     node: str
     ticks: list[TickRow] = field(default_factory=list)
     transitions: list[tuple[int, str, int, bool]] = field(default_factory=list)  # (ts, rule, tier, firing)
+    transition_epochs: list[int] = field(default_factory=list)  # the epoch of each transition
     ooms: list[OomRow] = field(default_factory=list)
-    arrivals: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # req -> (ts, prompt, priority)
-    admits: list[tuple[int, int]] = field(default_factory=list)  # (ts, req)
+    # (epoch, req) -> (ts, prompt tokens, priority, ARRIVE flags): request ids are per producer run
+    arrivals: dict[tuple[int, int], tuple[int, int, int, int]] = field(default_factory=dict)
+    admits: list[tuple[int, int, int]] = field(default_factory=list)  # (ts, req, epoch)
     events: int = 0
     duplicates: int = 0  # batches at or before the node's last (epoch, seq): a log fed twice, a redelivery
     rejected: int = 0  # batches the stream core rejected (impossible contents, an epoch jump)
@@ -102,6 +122,7 @@ class Replay:
     nodes: dict[str, NodeReplay]
     tick_s: float
     with_lstm: bool
+    skipped: list[dict] = field(default_factory=list)  # batches left out: {line, node, epoch, seq, reason}
 
 
 @dataclass(slots=True)
@@ -126,6 +147,10 @@ class OomReport:
     admitted: list[Admitted]
     trigger: Admitted | None  # the longest prompt admitted in the minute before, if any
     crashed_req_prompt_tokens: int | None
+    epoch: int = 0
+    layer: int = 0  # OomLayer
+    cause: int = 0  # OomCause (the OOM row's flags)
+    explanation: dict | None = None  # kvguard.ops.rca_explain: the allocator picture, the step, prevention
 
     @property
     def ts_s(self) -> float:
@@ -147,20 +172,26 @@ def replay(batches: Iterable[EventBatch], core, *, node: str | None = None,
     """Run ``batches`` (one log, in order) through ``core``; with ``node`` only that node's batches.
     ``progress(events_so_far)`` is called after each batch. A batch at or before its node's last
     ``(epoch, seq)`` is a duplicate (a log fed twice) and counted once only, as the core does;
-    a batch the core rejects is counted in neither the events nor the OOMs."""
+    a batch the core rejects is counted in neither the events nor the OOMs, and listed in
+    ``Replay.skipped`` (node, epoch, seq, reason) as the stream worker dead-letters it. The end of the
+    log is the core's ``finish()``: each node's last, partial interval (its last OOM, say) gets its tick."""
     nodes: dict[str, NodeReplay] = {}
     mirrors: dict[str, AllocatorMirror] = {}
     cfg = core.config
     total = 0
+    skipped: list[dict] = []
+    current_epoch: dict[str, int] = {}
 
     def absorb(ticks, alerts) -> None:
+        epoch_at: dict[tuple[str, int], int] = {}
         for tick in ticks:
             nodes.setdefault(tick.node, NodeReplay(tick.node)).ticks.append(TickRow.of(tick))
+            epoch_at[(tick.node, int(tick.ts_ns))] = int(getattr(tick, "epoch", 0))
         for a in alerts:
-            nodes.setdefault(a.node, NodeReplay(a.node)).transitions.append(
-                (int(a.ts_ns), a.rule, int(a.tier), a.state == FIRING))
+            nr = nodes.setdefault(a.node, NodeReplay(a.node))
+            nr.transitions.append((int(a.ts_ns), a.rule, int(a.tier), a.state == FIRING))
+            nr.transition_epochs.append(epoch_at.get((a.node, int(a.ts_ns)), current_epoch.get(a.node, 0)))
 
-    last_ts = 0
     position: dict[str, tuple[int, int]] = {}  # node -> (epoch, seq) of its last applied batch
     for batch in batches:
         if node is not None and batch.node != node:
@@ -173,19 +204,21 @@ def replay(batches: Iterable[EventBatch], core, *, node: str | None = None,
         outputs = core.process(batch)
         if core.rejected:
             nr.rejected += 1
+            skipped.extend({"line": None, "node": r.batch.node, "epoch": int(r.batch.epoch), "seq": int(r.batch.seq),
+                            "reason": f"{r.reason}: {r.detail}"} for r in core.rejected)
+            absorb(*outputs)
             continue
         position[batch.node] = key
+        current_epoch[batch.node] = int(batch.epoch)
         ev = batch.events
         nr.events += len(ev)
         total += len(ev)
-        if len(ev):
-            last_ts = max(last_ts, int(ev["ts_ns"].max()))
         _scan_rows(nr, batch, mirrors, cfg)
         absorb(*outputs)
         if progress is not None:
             progress(total)
-    absorb(*core.flush(last_ts + core.config.tick_ns))
-    return Replay(nodes=nodes, tick_s=float(cfg.tick_s), with_lstm=core.predictor is not None)
+    absorb(*core.finish())
+    return Replay(nodes=nodes, tick_s=float(cfg.tick_s), with_lstm=core.predictor is not None, skipped=skipped)
 
 
 def _scan_rows(nr: NodeReplay, batch: EventBatch, mirrors: dict[str, AllocatorMirror], cfg) -> None:
@@ -193,10 +226,12 @@ def _scan_rows(nr: NodeReplay, batch: EventBatch, mirrors: dict[str, AllocatorMi
     to read the free units at that moment."""
     ev = batch.events
     kind = ev["kind"]
+    epoch = int(batch.epoch)
     for i in np.flatnonzero(kind == EventKind.ARRIVE).tolist():
-        nr.arrivals[int(ev["req"][i])] = (int(ev["ts_ns"][i]), int(ev["tokens"][i]), int(ev["cls"][i]))
+        nr.arrivals[(epoch, int(ev["req"][i]))] = (int(ev["ts_ns"][i]), int(ev["tokens"][i]), int(ev["cls"][i]),
+                                                   int(ev["flags"][i]))
     for i in np.flatnonzero(kind == EventKind.ADMIT).tolist():
-        nr.admits.append((int(ev["ts_ns"][i]), int(ev["req"][i])))
+        nr.admits.append((int(ev["ts_ns"][i]), int(ev["req"][i]), epoch))
     mirror = mirrors.get(batch.node)
     if batch.geometry is not None and (mirror is None or mirror.geometry != batch.geometry):
         mirror = mirrors[batch.node] = AllocatorMirror(batch.geometry, reserved_frac=cfg.reserved_frac,
@@ -212,7 +247,8 @@ def _scan_rows(nr: NodeReplay, batch: EventBatch, mirrors: dict[str, AllocatorMi
             free = int(mirror.metrics().free_units)
         nr.ooms.append(OomRow(node=batch.node, ts_ns=int(ev["ts_ns"][i]), req=int(ev["req"][i]),
                               requested_units=int(ev["size"][i]), largest_free_run=int(ev["aux"][i]),
-                              free_units=free))
+                              free_units=free, epoch=int(batch.epoch), layer=int(ev["cls"][i]),
+                              cause=int(ev["flags"][i])))
     if mirror is not None:
         _apply(mirror, ev, start, len(ev), batch, last_snap)
 
@@ -251,40 +287,57 @@ def analyse(rep: Replay, *, window_s: float = 1800.0, last_ticks: int = 6,
         nr = rep.nodes[name]
         if not nr.ooms:
             continue
-        ts = np.array([t.ts_ns for t in nr.ticks], dtype=np.int64)
-        firing = firing_by_tier(ts, nr.transitions)
-        ooms = sorted(nr.ooms, key=lambda o: o.ts_ns)
-        oom_ts = np.array([o.ts_ns for o in ooms], dtype=np.int64)
-        tiers = TIERS if rep.with_lstm else TIERS[:2]
-        leads = {tier: lead_times_s(ts, firing[tier], oom_ts) for tier in tiers}
-        spans = alert_spans(nr.transitions)
-        admit_ts = np.array([a for a, _ in nr.admits], dtype=np.int64)
-        for k, oom in enumerate(ooms):
-            last = int(np.searchsorted(ts, oom.ts_ns, side="left"))  # ticks [.., last) are before the OOM
-            before = nr.ticks[max(0, last - last_ticks):last]
-            outcomes = {}
-            for tier in tiers:
-                rules = sorted({s.rule for s in spans if s.tier == tier and last > 0
-                                and s.start_ns <= ts[last - 1] and (s.end_ns is None or s.end_ns > ts[last - 1])})
-                outcomes[tier] = TierOutcome(tier, float(leads[tier][k]), rules)
-            lo = np.searchsorted(admit_ts, oom.ts_ns - lookback_ns, "left")
-            hi = np.searchsorted(admit_ts, oom.ts_ns, "right")
-            admitted = []
-            for a_ts, req in nr.admits[lo:hi]:
-                arr = nr.arrivals.get(req)
-                admitted.append(Admitted(req, a_ts, arr[0] if arr else None, arr[1] if arr else None,
-                                         arr[2] if arr else None))
-            with_prompt = [a for a in admitted if a.prompt_tokens is not None]
-            trigger = max(with_prompt, key=lambda a: (a.prompt_tokens, a.admit_ts_ns)) if with_prompt else None
-            crashed = nr.arrivals.get(oom.req)
-            out.append(OomReport(
-                node=name, ts_ns=oom.ts_ns, req=oom.req, requested_units=oom.requested_units,
-                largest_free_run=oom.largest_free_run, free_units=oom.free_units,
-                fragmentation=is_fragmentation(oom.requested_units, oom.largest_free_run, oom.free_units),
-                last_ticks=before, tiers=outcomes,
-                spans=[s for s in spans if (s.end_ns is None or s.end_ns >= oom.ts_ns - window_ns)
-                       and s.start_ns <= oom.ts_ns],
-                admitted=admitted, trigger=trigger, crashed_req_prompt_tokens=crashed[1] if crashed else None))
+        # one producer run (epoch) at a time: a restarted producer's clock starts over, so ticks,
+        # alerts and OOMs are ordered by event time only within their epoch
+        for epoch in sorted({o.epoch for o in nr.ooms}):
+            out += _analyse_epoch(rep, nr, epoch, window_ns, lookback_ns, last_ticks)
+    return out
+
+
+def _analyse_epoch(rep: Replay, nr: NodeReplay, epoch: int, window_ns: int, lookback_ns: int,
+                   last_ticks: int) -> list[OomReport]:
+    name = nr.node
+    out: list[OomReport] = []
+    ticks = sorted((t for t in nr.ticks if t.epoch == epoch), key=lambda t: t.ts_ns)
+    ts = np.array([t.ts_ns for t in ticks], dtype=np.int64)
+    transitions = [tr for tr, e in zip(nr.transitions, nr.transition_epochs) if e == epoch]
+    firing = firing_by_tier(ts, transitions)
+    ooms = sorted((o for o in nr.ooms if o.epoch == epoch), key=lambda o: o.ts_ns)
+    oom_ts = np.array([o.ts_ns for o in ooms], dtype=np.int64)
+    tiers = TIERS if rep.with_lstm else TIERS[:2]
+    leads = {tier: lead_times_s(ts, firing[tier], oom_ts) for tier in tiers}
+    spans = alert_spans(transitions)
+    admits = sorted((a for a in nr.admits if a[2] == epoch), key=lambda a: a[0])
+    admit_ts = np.array([a for a, _, _ in admits], dtype=np.int64)
+    for k, oom in enumerate(ooms):
+        last = int(np.searchsorted(ts, oom.ts_ns, side="left"))  # ticks [.., last) are before the OOM
+        before = ticks[max(0, last - last_ticks):last]
+        outcomes = {}
+        for tier in tiers:
+            rules = sorted({s.rule for s in spans if s.tier == tier and last > 0
+                            and s.start_ns <= ts[last - 1] and (s.end_ns is None or s.end_ns > ts[last - 1])})
+            outcomes[tier] = TierOutcome(tier, float(leads[tier][k]), rules)
+        lo = np.searchsorted(admit_ts, oom.ts_ns - lookback_ns, "left")
+        hi = np.searchsorted(admit_ts, oom.ts_ns, "right")
+        admitted = []
+        for a_ts, req, _ in admits[lo:hi]:
+            arr = nr.arrivals.get((epoch, req))
+            admitted.append(Admitted(req, a_ts, arr[0] if arr else None, arr[1] if arr else None,
+                                     arr[2] if arr else None))
+        with_prompt = [a for a in admitted if a.prompt_tokens is not None]
+        trigger = max(with_prompt, key=lambda a: (a.prompt_tokens, a.admit_ts_ns)) if with_prompt else None
+        crashed = nr.arrivals.get((epoch, oom.req))
+        kv = oom.layer == int(OomLayer.KV_ARENA)
+        out.append(OomReport(
+            node=name, ts_ns=oom.ts_ns, req=oom.req, requested_units=oom.requested_units,
+            largest_free_run=oom.largest_free_run, free_units=oom.free_units if kv else None,
+            fragmentation=is_fragmentation(oom.requested_units, oom.largest_free_run, oom.free_units) if kv
+            else oom.cause == int(OomCause.FRAGMENTATION),
+            last_ticks=before, tiers=outcomes,
+            spans=[s for s in spans if (s.end_ns is None or s.end_ns >= oom.ts_ns - window_ns)
+                   and s.start_ns <= oom.ts_ns],
+            admitted=admitted, trigger=trigger, crashed_req_prompt_tokens=crashed[1] if crashed else None,
+            epoch=epoch, layer=oom.layer, cause=oom.cause))
     return out
 
 
