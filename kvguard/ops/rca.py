@@ -32,6 +32,8 @@ from kvguard.streams.mirror import AllocatorMirror
 TIERS = ALERT_TIERS
 GIB = 1 << 30
 _OOM_STEP = int(EventKind.OOM_STEP)
+_ADMIT, _OOM, _RESET = int(EventKind.ADMIT), int(EventKind.OOM), int(EventKind.RESET)
+_LIFECYCLE = [int(k) for k in (EventKind.ADMIT, EventKind.FINISH, EventKind.PREEMPT, EventKind.OOM, EventKind.RESET)]
 ADMITTED_LOOKBACK_S = 60.0
 
 
@@ -118,7 +120,7 @@ class NodeReplay:
     # (epoch, req) -> (ts, prompt tokens, priority, ARRIVE flags): request ids are per producer run
     arrivals: dict[tuple[int, int], tuple[int, int, int, int]] = field(default_factory=dict)
     admits: list[tuple[int, int, int]] = field(default_factory=list)  # (ts, req, epoch)
-    admitted_live: dict[int, set[int]] = field(default_factory=dict)  # epoch -> requests admitted (ever)
+    running: dict[int, set[int]] = field(default_factory=dict)  # epoch -> requests running (replay state)
     preempts: list[tuple[int, int, int]] = field(default_factory=list)  # (ts, req, epoch)
     # (ts, req, Outcome, epoch, aux: the Refusal of a REJECTED row) of FINISH rows that are not completions
     finishes: list[tuple[int, int, int, int, int]] = field(default_factory=list)
@@ -261,10 +263,8 @@ def _scan_rows(nr: NodeReplay, batch: EventBatch, mirrors: dict[str, AllocatorMi
     for i in np.flatnonzero(kind == EventKind.ARRIVE).tolist():
         nr.arrivals[(epoch, int(ev["req"][i]))] = (int(ev["ts_ns"][i]), int(ev["tokens"][i]), int(ev["cls"][i]),
                                                    int(ev["flags"][i]))
-    live = nr.admitted_live.setdefault(epoch, set())
     for i in np.flatnonzero(kind == EventKind.ADMIT).tolist():
         nr.admits.append((int(ev["ts_ns"][i]), int(ev["req"][i]), epoch))
-        live.add(int(ev["req"][i]))
     mirror = mirrors.get(batch.node)
     if batch.geometry is not None and (mirror is None or mirror.geometry != batch.geometry):
         mirror = mirrors[batch.node] = AllocatorMirror(batch.geometry, reserved_frac=cfg.reserved_frac,
@@ -273,6 +273,7 @@ def _scan_rows(nr: NodeReplay, batch: EventBatch, mirrors: dict[str, AllocatorMi
     last_snap = int(snaps[-1]) if snaps.size else -1
     start = 0
     geometry = mirror.geometry if mirror is not None else batch.geometry
+    running = _running_at_ooms(nr, ev, epoch)
     for i in np.flatnonzero(kind == EventKind.OOM).tolist():
         free = None
         alloc = None
@@ -283,7 +284,7 @@ def _scan_rows(nr: NodeReplay, batch: EventBatch, mirrors: dict[str, AllocatorMi
             alloc = mirror.allocator.metrics()
         ctx = OomContext(layer=int(ev["cls"][i]), cause=int(ev["flags"][i]), requested=int(ev["size"][i]),
                          aux=int(ev["aux"][i]), kv_free_units=free, step_rows=_step_rows(ev, i),
-                         lost=_lost(nr, ev, i, epoch))
+                         lost=_lost(nr, ev, i, epoch, running.get(i, set())))
         if alloc is not None and alloc.segments:
             ctx.mirror_reserved, ctx.mirror_allocated = int(alloc.reserved_bytes), int(alloc.allocated_bytes)
             ctx.mirror_largest_free_block = int(alloc.largest_free_block_bytes)
@@ -318,29 +319,48 @@ def _scan_incident_rows(nr: NodeReplay, ev: np.ndarray, epoch: int) -> None:
 
 
 def _step_rows(ev: np.ndarray, i: int) -> list[tuple[int, int, int, int, int, int, int]]:
-    """The OOM_STEP rows written right before the OOM row ``i`` (same event time)."""
-    ts, j = ev["ts_ns"][i], i
-    while j > 0 and ev["kind"][j - 1] == _OOM_STEP and ev["ts_ns"][j - 1] == ts:
+    """The OOM_STEP rows written right before the OOM row ``i`` (contiguous with it)."""
+    j = i
+    while j > 0 and ev["kind"][j - 1] == _OOM_STEP:
         j -= 1
     rows = ev[j:i]
     return list(zip(rows["cls"].tolist(), rows["flags"].tolist(), rows["req"].tolist(), rows["offset"].tolist(),
                     rows["size"].tolist(), rows["tokens"].tolist(), rows["aux"].tolist()))
 
 
-def _lost(nr: NodeReplay, ev: np.ndarray, i: int, epoch: int) -> list[StepRequest]:
-    """The admitted requests the crash took down (FINISH FAILED_OOM rows at the OOM's time), with the
-    shapes their ARRIVE rows give: what a log without OOM_STEP rows tells of the crashing step."""
+def _running_at_ooms(nr: NodeReplay, ev: np.ndarray, epoch: int) -> dict[int, set[int]]:
+    """Row index of each OOM -> the requests running then (admitted, not finished, preempted or reset
+    since), following the lifecycle rows in order; the node's running set carries over batches."""
+    running = nr.running.setdefault(epoch, set())
+    kind = ev["kind"]
+    idx = np.flatnonzero(np.isin(kind, _LIFECYCLE)).tolist()
+    out: dict[int, set[int]] = {}
+    for i, k, req in zip(idx, kind[idx].tolist(), ev["req"][idx].tolist()):
+        if k == _ADMIT:
+            running.add(req)
+        elif k == _OOM:
+            out[i] = set(running)
+        elif k == _RESET:
+            running.clear()
+        else:  # FINISH, PREEMPT
+            running.discard(req)
+    return out
+
+
+def _lost(nr: NodeReplay, ev: np.ndarray, i: int, epoch: int, running: set[int]) -> list[StepRequest]:
+    """The requests running when the engine crashed, with the shapes their ARRIVE rows give (what a log
+    without OOM_STEP rows tells of the crashing step); their context from the FINISH FAILED_OOM row's
+    generated tokens where the producer writes one."""
     ts = ev["ts_ns"][i]
     after = ev[i + 1:]
     mask = (after["kind"] == EventKind.FINISH) & (after["flags"] == int(Outcome.FAILED_OOM)) & (after["ts_ns"] == ts)
-    admitted = nr.admitted_live.get(epoch, set())
+    generated = dict(zip(after["req"][mask].tolist(), after["tokens"][mask].tolist()))
     out = []
-    for req, generated in zip(after["req"][mask].tolist(), after["tokens"][mask].tolist()):
-        if req not in admitted:
-            continue  # waiting, never ran: not in the step
+    for req in sorted(running):
         arr = nr.arrivals.get((epoch, req))
         prompt = arr[1] if arr else None
-        out.append(StepRequest(req, None, prompt, None if prompt is None else prompt + int(generated), None,
+        gen = generated.get(req)
+        out.append(StepRequest(req, None, prompt, None if prompt is None or gen is None else prompt + int(gen), None,
                                bool(arr and arr[3] & F_PROMPT_LOGPROBS)))
     return out
 
