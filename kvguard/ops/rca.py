@@ -14,6 +14,7 @@ Pure-ish: numpy and the standard library plus kvguard/streams modules; time come
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
@@ -459,6 +460,9 @@ def _analyse_epoch(rep: Replay, nr: NodeReplay, epoch: int, window_ns: int, look
         trigger = max(with_prompt, key=lambda a: (a.prompt_tokens, a.admit_ts_ns)) if with_prompt else None
         crashed = nr.arrivals.get((epoch, oom.req))
         kv = oom.layer == int(OomLayer.KV_ARENA)
+        explanation = explain(oom.context).to_dict() if oom.context is not None else None
+        if explanation is not None:
+            _pressure(explanation, nr, epoch, oom.ts_ns, lookback_ns, before, kv)
         out.append(OomReport(
             node=name, ts_ns=oom.ts_ns, req=oom.req, requested_units=oom.requested_units,
             largest_free_run=oom.largest_free_run, free_units=oom.free_units if kv else None,
@@ -469,8 +473,41 @@ def _analyse_epoch(rep: Replay, nr: NodeReplay, epoch: int, window_ns: int, look
                    and s.start_ns <= oom.ts_ns],
             admitted=admitted, trigger=trigger, crashed_req_prompt_tokens=crashed[1] if crashed else None,
             epoch=epoch, layer=oom.layer, cause=oom.cause,
-            explanation=explain(oom.context).to_dict() if oom.context is not None else None))
+            explanation=explanation))
     return out
+
+
+def _pressure(ex: dict, nr: NodeReplay, epoch: int, ts_ns: int, lookback_ns: int, before: list[TickRow],
+              kv: bool) -> None:
+    """KV pressure before the OOM: the preemptions of the minute before and the queue over the last ticks."""
+    pre = [req for ts, req, e in nr.preempts if e == epoch and ts_ns - lookback_ns <= ts <= ts_ns]
+    waiting = max((t.requests_waiting for t in before), default=0)
+    ex["preemptions_before"] = len(pre)
+    ex["waiting_max_before"] = waiting
+    if pre or waiting:
+        line = (f"KV pressure before it: {len(pre)} preemption(s) of {len(set(pre))} request(s) in the minute before, "
+                f"up to {waiting} request(s) waiting over the last ticks")
+        ex["details"].append(line)
+        if kv and pre:
+            ex["prevention"].append("admission that leaves room for the running requests' growth (a KV watermark, "
+                                    "kvguard's admission guard) before the arena fills")
+
+
+def prevention_summary(reports: list[OomReport]) -> dict:
+    """What would have prevented the log's OOMs taken together: the lowest utilization any OOM needed, the
+    smallest logprob-guard cap, the fragmentation OOMs (expandable_segments)."""
+    utils, caps = [], []
+    for r in reports:
+        for p in (r.explanation or {}).get("prevention", []):
+            m = re.match(r"--gpu-memory-utilization (\d+\.\d+)", p)
+            if m:
+                utils.append(float(m.group(1)))
+            m = re.search(r"caps such a step at about ([\d,]+) tokens", p)
+            if m:
+                caps.append(int(m.group(1).replace(",", "")))
+    frag = sum(1 for r in reports if (r.explanation or {}).get("allocator_reason") == "fragmentation")
+    return {"gpu_memory_utilization": min(utils) if utils else None, "logprob_guard_cap_tokens": min(caps) if caps
+            else None, "fragmentation_ooms": frag, "ooms_with_a_utilization": len(utils)}
 
 
 def node_summaries(rep: Replay, reports: list[OomReport]) -> list[dict]:
@@ -492,6 +529,7 @@ def summary(rep: Replay, reports: list[OomReport], incidents: list | None = None
         "incidents_by_kind": _count(i.kind for i in incidents or []),
         "incidents_by_cause": _count(f"{i.kind}:{i.cause}" for i in incidents or []),
         "skipped_batches": len(rep.skipped),
+        "prevention": prevention_summary(reports),
         "ooms": len(reports),
         "fragmentation_ooms": sum(r.fragmentation for r in reports),
         "ooms_by_cause": _count(r.cause_key for r in reports),
@@ -517,6 +555,21 @@ def markdown(reports: list[OomReport], summ: dict, images: dict[int, str], sourc
     lines = [f"# kvguard RCA: {source}", "",
              f"{summ['ooms']} OOM(s) on {summ['nodes']} node(s)" + (f" ({by_cause})" if by_cause else "")
              + f"; tick {summ['tick_s']:g} s, predictor tier {'on' if summ['lstm'] else 'off'}.", ""]
+    pv = summ.get("prevention") or {}
+    if pv.get("gpu_memory_utilization") is not None or pv.get("logprob_guard_cap_tokens") is not None \
+            or pv.get("fragmentation_ooms"):
+        lines += ["What would have prevented the OOMs taken together (estimates from the failures; each OOM's own "
+                  "section says how):", ""]
+        if pv.get("gpu_memory_utilization") is not None:
+            lines.append(f"- --gpu-memory-utilization {pv['gpu_memory_utilization']:.2f} (the lowest any of "
+                         f"{pv['ooms_with_a_utilization']} OOM(s) needed)")
+        if pv.get("logprob_guard_cap_tokens") is not None:
+            lines.append(f"- kvguard's logprob guard (--logprobs-guard): steps capped at about "
+                         f"{pv['logprob_guard_cap_tokens']:,} tokens while a prompt-logprob request prefills")
+        if pv.get("fragmentation_ooms"):
+            lines.append(f"- PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for the {pv['fragmentation_ooms']} "
+                         "OOM(s) the allocator saw as fragmentation")
+        lines.append("")
     if skipped:
         lines += ["## Batches left out", "", "Invalid batches, named and skipped as the stream worker dead-letters "
                   "them; the rest of the log was replayed.", ""]

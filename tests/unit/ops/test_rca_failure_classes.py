@@ -214,3 +214,38 @@ def test_refusals_while_the_engine_restarts_are_explained_by_the_oom_before_them
 
 def test_oom_step_rows_describe_the_step_in_the_table_of_events():
     assert int(EventKind.OOM_STEP) == 30 and [int(c) for c in OomStepRow] == [0, 1, 2, 3]
+
+
+# -- the prevention it names, applied, removes the OOMs ------------------------------------------------
+
+def _vllm_fleet(util: float, *, guard: bool = False, seconds: int = 60):
+    from kvguard.producers.sim.fleet import Fleet
+    from kvguard.producers.sim.profiles import EngineKnobs, load_profile, prompt_cap_tokens
+    from kvguard.producers.sim.vllm.engine import VllmEngineConfig
+    from kvguard.producers.sim.workloads import load_workload
+
+    profile = load_profile(None, knobs=EngineKnobs(gpu_memory_utilization=util, model_runner="v1"))
+    fleet = Fleet(2, profile, seed=0, config=VllmEngineConfig(prompt_logprobs_frac=0.3, logprobs_guard=guard))
+    fleet.submit_workload(load_workload("azure-conv", window=seconds, seed=0,
+                                        max_prompt_tokens=prompt_cap_tokens(profile)))
+    batches = []
+    for _, step in fleet.steps(seconds * NS_PER_S, step_ns=10 * NS_PER_S):
+        batches.extend(step)
+    return batches
+
+
+def _ooms(batches) -> int:
+    return sum(int((b.events["kind"] == EventKind.OOM).sum()) for b in batches)
+
+
+def test_the_utilization_and_the_guard_rca_names_remove_the_runs_ooms():
+    """Issue 27's run (prompt logprobs at --gpu-memory-utilization 0.95, the V1 runner), compressed: rca's
+    lowest utilization over the OOMs, and the logprob guard it names, each re-run: no OOM left."""
+    batches = _vllm_fleet(0.95)
+    rep, reports = _replay(batches)
+    assert len(reports) == _ooms(batches) >= 2
+    pv = rca.prevention_summary(reports)
+    assert pv["ooms_with_a_utilization"] == len(reports) and pv["gpu_memory_utilization"] < 0.95
+    assert _ooms(_vllm_fleet(pv["gpu_memory_utilization"])) == 0
+    assert _ooms(_vllm_fleet(0.95, guard=True)) == 0
+    assert rca.summary(rep, reports)["prevention"] == pv
