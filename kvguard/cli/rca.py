@@ -12,7 +12,8 @@ from kvguard.cli.app import app
 
 @app.command("rca")
 def rca_command(
-    events: Path = typer.Option(..., "--events", help="Event log (gzip JSON lines, from `simulate --events-out`)."),
+    events: Path = typer.Option(..., "--events", help="Event log (gzip JSON lines: `simulate --events-out`, "
+                                                      "`kvguard record`, the vLLM plugin's log)."),
     node: str = typer.Option(None, "--node", help="Only this node's OOMs."),
     model: Path = typer.Option(None, "--model", help="Model artifact for the predictor tier (trees or LSTM); default: shipped."),
     no_lstm: bool = typer.Option(False, "--no-lstm", help="Tiers 1-2 only (no P(OOM))."),
@@ -21,7 +22,8 @@ def rca_command(
     report: Path = typer.Option(None, "--report", help="Directory for rca.md and one PNG per OOM."),
     snapshot: Path = typer.Option(None, "--snapshot", help="A PyTorch snapshot of the crashing process "
                                                            "(torch.cuda.memory._dump_snapshot, .pickle or .pickle.gz): "
-                                                           "its allocator figures for an OOM the log has none for."),
+                                                           "its allocator figures (largest free block, what "
+                                                           "empty_cache() could return) for the OOM it was taken at."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Explain each OOM and incident of a recorded event log.

@@ -249,3 +249,26 @@ def test_the_utilization_and_the_guard_rca_names_remove_the_runs_ooms():
     assert _ooms(_vllm_fleet(pv["gpu_memory_utilization"])) == 0
     assert _ooms(_vllm_fleet(0.95, guard=True)) == 0
     assert rca.summary(rep, reports)["prevention"] == pv
+
+
+def test_governor_and_admission_rows_are_read_by_number_when_a_log_has_them():
+    """EventKind.GOVERN = 28 and ADMISSION = 29 come from other branches: rca counts them in an incident's
+    span by their numbers, and a log without them gives no such decisions."""
+    from kvguard.contracts.events import empty_events
+    from kvguard.ops.rca_incidents import find_incidents
+
+    e = _engine()
+    for i in range(40):
+        e.submit(Request(i, i * NS_PER_S // 10, 1500, 1500))
+    e.advance(200 * NS_PER_S)
+    batches, rows = _engine_batches(e)
+    rep, _ = _replay(batches)
+    nr = rep.nodes[e.node]
+    assert nr.policy_rows == []
+    assert all("governor rows" not in i.decisions for i in find_incidents(rep))
+    extra = empty_events(3)
+    extra["kind"] = [28, 29, 28]
+    extra["ts_ns"] = [10 * NS_PER_S, 11 * NS_PER_S, 500 * NS_PER_S]  # the last one after every incident
+    rca._scan_incident_rows(nr, extra, 0)
+    storm = next(i for i in find_incidents(rep) if i.kind == "preemption_storm")
+    assert storm.decisions.get("governor rows") == 1 and storm.decisions.get("admission rows") == 1
