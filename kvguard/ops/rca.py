@@ -177,6 +177,10 @@ class OomReport:
         d["ts_s"] = round(self.ts_s, 3)
         d["first_warning_tier"] = self.first_warning()
         d["cause_key"] = self.cause_key
+        # an allocator OOM's row is in bytes, its aux the reserved-but-unallocated bytes (not a free run)
+        d["unit"] = "bytes" if self.allocator else "kv_units"
+        if self.allocator:
+            d["largest_free_run"] = None
         return d
 
     @property
