@@ -188,7 +188,7 @@ class OomReport:
         """``layer:cause`` as the engine counts it (``ooms_by_cause``), e.g. ``allocator:prompt_logprobs``."""
         if self.explanation is None:
             return "kv_arena:fragmentation" if self.fragmentation else "kv_arena:capacity"
-        return f"{self.explanation['layer']}:{self.explanation['cause']}"
+        return f"{self.explanation['layer']}:{self.explanation['cause'].removeprefix('kv_')}"
 
     @property
     def allocator(self) -> bool:

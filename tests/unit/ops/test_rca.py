@@ -182,3 +182,14 @@ def test_cli_unreadable_log_exits_2_naming_file_and_line(tmp_path, oom_log):
     path, _ = oom_log
     other = CliRunner().invoke(app, ["rca", "--events", str(path), "--no-lstm", "--node", "sim-0/gpu9"])
     assert other.exit_code == 2 and "sim-0/gpu9" in other.stderr
+
+
+def test_a_kv_arena_oom_keeps_the_kv_layers_language(replayed):
+    """The seed's arena OOMs are in KV units (largest free run, capacity or fragmentation); the allocator's
+    bytes language is for allocator OOMs only (issue 27)."""
+    rep, reports = replayed
+    assert reports and all(r.cause_key in ("kv_arena:capacity", "kv_arena:fragmentation") for r in reports)
+    assert all((r.cause_key == "kv_arena:fragmentation") == r.fragmentation for r in reports)
+    md = rca.markdown(reports, rca.summary(rep, reports), {}, "seed.jsonl.gz")
+    assert "largest free run" in md and "reserved-but-unallocated" not in md
+    assert all(r.to_dict()["unit"] == "kv_units" for r in reports)
