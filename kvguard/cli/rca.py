@@ -42,6 +42,7 @@ def rca_command(
     from kvguard.config.extras import require
     from kvguard.config.settings import Settings
     from kvguard.ops import rca
+    from kvguard.ops.rca_incidents import plot_incidents
     from kvguard.runtime.bootstrap import bootstrap
     from kvguard.wire.eventlog import EventLogError, read_event_log
 
@@ -111,9 +112,20 @@ def rca_command(
                          commands=[(ts, a) for ts, a, e in nr.commands if e == r.epoch],
                          policy_rows=[row for row in nr.policy_rows if row[-1] == r.epoch])
             images[i] = name
+        incident_images = {}
+        for name_ in sorted({i.node for i in incidents}):
+            nr = rep.nodes[name_]
+            last = max(i.epoch for i in incidents if i.node == name_)  # the node's latest run with incidents
+            png = f"incidents_{_safe(name_)}.png"
+            plot_incidents(name_, [t for t in nr.ticks if t.epoch == last],
+                               [i for i in incidents if i.node == name_ and i.epoch == last], str(report / png),
+                               commands=[c for c in nr.commands if c[2] == last],
+                               policy_rows=[r_ for r_ in nr.policy_rows if r_[-1] == last])
+            incident_images[name_] = png
         (report / "rca.md").write_text(rca.markdown(reports, summ, images, str(events), incidents=incidents,
-                                                    skipped=rep.skipped))
-        out["report"] = {"markdown": str(report / "rca.md"), "images": [str(report / n) for n in images.values()]}
+                                                    skipped=rep.skipped, incident_images=incident_images))
+        out["report"] = {"markdown": str(report / "rca.md"), "images": [str(report / n) for n in images.values()],
+                         "incident_images": [str(report / n) for n in incident_images.values()]}
     if as_json:
         typer.echo(json.dumps(out))
     else:

@@ -554,7 +554,8 @@ def _count(items: Iterable[str]) -> dict[str, int]:
 
 
 def markdown(reports: list[OomReport], summ: dict, images: dict[int, str], source: str,
-             incidents: list | None = None, skipped: list[dict] | None = None) -> str:
+             incidents: list | None = None, skipped: list[dict] | None = None,
+             incident_images: dict[str, str] | None = None) -> str:
     by_cause = ", ".join(f"{k} {v}" for k, v in summ.get("ooms_by_cause", {}).items())
     lines = [f"# kvguard RCA: {source}", "",
              f"{summ['ooms']} OOM(s) on {summ['nodes']} node(s)" + (f" ({by_cause})" if by_cause else "")
@@ -641,7 +642,7 @@ def markdown(reports: list[OomReport], summ: dict, images: dict[int, str], sourc
             lines += ["", f"![OOM {i + 1}]({images[i]})"]
         lines.append("")
     if incidents is not None:
-        lines += incidents_markdown(incidents)
+        lines += incidents_markdown(incidents, incident_images)
     return "\n".join(lines) + "\n"
 
 

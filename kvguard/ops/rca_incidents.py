@@ -251,10 +251,13 @@ def _decisions(inc: Incident, rows, cmds) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def incidents_markdown(incidents: list[Incident]) -> list[str]:
+def incidents_markdown(incidents: list[Incident], images: dict[str, str] | None = None) -> list[str]:
     lines = ["## Incidents (not OOMs)", ""]
     if not incidents:
         return lines + ["No preemption storm, refusal or long queueing stretch in this log.", ""]
+    lines += [f"![incidents on {node}]({name})" for node, name in sorted((images or {}).items())]
+    if images:
+        lines.append("")
     by: dict[str, int] = {}
     for inc in incidents:
         by[inc.kind] = by.get(inc.kind, 0) + 1
@@ -270,3 +273,49 @@ def incidents_markdown(incidents: list[Incident]) -> list[str]:
     if len(incidents) > 100:
         lines.append(f"({len(incidents) - 100} more in the JSON output)")
     return lines
+
+
+def plot_incidents(node: str, ticks, incidents: list[Incident], path: str, *, commands=(), policy_rows=()) -> None:
+    """One node's run with its incidents: U_kv, waiting and running requests, preemptions per tick, the
+    incidents' spans shaded by kind, the policy's commands and the governor's / admission's rows as marks."""
+    # matplotlib takes a second to import: only when a plot is drawn
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(ticks, key=lambda t: t.ts_ns)
+    x = [t.ts_ns / NS_PER_S for t in rows]
+    fig, (ax_u, ax_q, ax_lanes) = plt.subplots(3, 1, figsize=(10, 6), sharex=True,
+                                               gridspec_kw={"height_ratios": [2, 2, 1]})
+    ax_u.plot(x, [t.u_kv for t in rows], color="tab:blue", marker=".", label="U_kv (KV cache use)")
+    ax_u.set_ylim(0, 1.05)
+    ax_u.set_ylabel("fraction")
+    ax_q.plot(x, [t.requests_waiting for t in rows], color="tab:red", marker=".", label="waiting")
+    ax_q.plot(x, [t.requests_running for t in rows], color="tab:green", marker=".", label="running")
+    ax_q.bar(x, [t.preemptions for t in rows], width=(rows[0].tick_s * 0.8) if rows else 1.0, color="tab:purple",
+             alpha=0.5, label="preemptions per tick")
+    ax_q.set_ylabel("requests")
+    colors = {"preemption_storm": "tab:purple", "refusals": "tab:red", "queueing": "tab:orange"}
+    kinds = ["preemption_storm", "refusals", "queueing"]
+    for inc in incidents:
+        a, b = inc.start_ns / NS_PER_S, max(inc.end_ns, inc.start_ns + NS_PER_S) / NS_PER_S
+        y = kinds.index(inc.kind)
+        ax_lanes.broken_barh([(a, b - a)], (y - 0.4, 0.8), color=colors[inc.kind], alpha=0.5)
+        for axis in (ax_u, ax_q):
+            axis.axvspan(a, b, color=colors[inc.kind], alpha=0.06)
+    cmds = [ts / NS_PER_S for ts, *_ in commands]
+    ax_lanes.plot(cmds, [3] * len(cmds), "v", color="tab:blue", ms=4)
+    pol = [r[0] / NS_PER_S for r in policy_rows]
+    ax_lanes.plot(pol, [4] * len(pol), "|", color="tab:green", ms=8)
+    ax_lanes.set_yticks(range(5))
+    ax_lanes.set_yticklabels([*kinds, f"policy ({len(cmds)})", f"governor/admission ({len(pol)})"], fontsize=7)
+    ax_lanes.set_ylim(-0.6, 4.6)
+    ax_lanes.set_xlabel("event time (s)")
+    ax_u.set_title(f"{node}: {len(incidents)} incident(s) that are not OOMs", fontsize=10)
+    for axis in (ax_u, ax_q):
+        axis.legend(loc="upper left", fontsize=7, ncol=3)
+        axis.grid(alpha=0.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

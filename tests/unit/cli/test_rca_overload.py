@@ -41,6 +41,9 @@ def test_rca_report_explains_the_refusals_and_preemptions_of_an_overloaded_run(o
     md = (tmp_path / "r" / "rca.md").read_text()
     assert "## Incidents (not OOMs)" in md and "vLLM's 503" in md and "KV pressure" in md
     assert out["summary"]["incidents_by_cause"]["refusals:queue_reqs"] == len(refusals)
+    (png,) = out["report"]["incident_images"]
+    assert (tmp_path / "r" / "incidents_sim-0_gpu0.png").stat().st_size > 10_000 and png.endswith("gpu0.png")
+    assert "![incidents on sim-0/gpu0](incidents_sim-0_gpu0.png)" in md
 
 
 def test_replay_and_rca_with_the_shipped_predictor_run_the_overloaded_log(overloaded):
