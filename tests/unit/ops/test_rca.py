@@ -140,8 +140,9 @@ def test_cli_json_stdout_is_pure_json_and_report_has_one_png_per_oom(oom_log, tm
     assert set(doc) >= {"ooms", "nodes", "summary"}
     assert doc["summary"]["ooms"] == len(crashes) == len(doc["ooms"])
     assert doc["summary"]["fragmentation_ooms"] == sum(c["fragmentation"] for c in crashes)
-    pngs = sorted(out_dir.glob("*.png"))
+    pngs = sorted(out_dir.glob("oom_*.png"))  # one per OOM; the incidents have their own, one per node
     assert len(pngs) == len(crashes)
+    assert len(list(out_dir.glob("*.png"))) == len(crashes) + len(doc["report"]["incident_images"])
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     md = (out_dir / "rca.md").read_text()
     assert md.count("## OOM ") == len(crashes) and pngs[0].name in md
