@@ -69,7 +69,7 @@ at every step boundary, while every segment the step's peak needed appears as SE
 of the allocator layer is an OOM row with ``cls=OomLayer.ALLOCATOR``, ``size`` the requested
 bytes, ``aux`` the reserved-but-unallocated bytes, and ``flags`` its ``OomCause``.
 
-OOM_STEP rows (written right before an allocator OOM row, same ``ts_ns``; what PyTorch's OOM message
+OOM_STEP rows (written right before an allocator OOM row, contiguous with it; what PyTorch's OOM message
 and the engine's scheduler output say about the crashing step, which the OOM row alone cannot):
 ``cls=OomStepRow.DEVICE``: ``size`` device free bytes, ``offset`` reserved bytes, ``tokens`` allocated
 bytes, ``aux`` the bytes the allocator tried to get from the device (the request rounded up);

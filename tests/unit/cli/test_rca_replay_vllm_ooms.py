@@ -55,7 +55,7 @@ def test_rca_reports_every_oom_of_a_vllm_log(which, predictor, tmp_path, request
     assert all(o["cause_key"] == "allocator:prompt_logprobs" and o["explanation"]["requests"] for o in ooms)
     md = (tmp_path / "rep" / "rca.md").read_text()
     assert "largest free run" not in md and "reserved-but-unallocated" in md
-    assert len(list((tmp_path / "rep").glob("*.png"))) == n_ooms
+    assert len(list((tmp_path / "rep").glob("oom_*.png"))) == n_ooms
 
 
 @PREDICTOR
