@@ -47,12 +47,13 @@ class ReplayResult:
     ticks: int = 0
     alerts: int = 0
     commands: int = 0
-    ooms: int = 0
+    ooms: int = 0  # OOMs the ticks counted (what the policy saw)
+    oom_rows: int = 0  # OOM rows of the log: more when a producer restart dropped an unfinished interval's tick
     skipped: list[dict] = field(default_factory=list)  # batches left out: {line, node, epoch, seq, reason}
 
     def summary(self) -> dict:
         return {"nodes": len(self.nodes), "batches": self.batches, "events": self.events, "ticks": self.ticks,
-                "alerts": self.alerts, "commands": self.commands, "ooms": self.ooms,
+                "alerts": self.alerts, "commands": self.commands, "ooms": self.ooms, "oom_rows": self.oom_rows,
                 "skipped_batches": list(self.skipped),
                 "commands_by_action": _count(a for t in self.nodes.values() for _, a in t.commands),
                 "ooms_by_node": {n: len(t.ooms) for n, t in sorted(self.nodes.items()) if t.ooms}}
@@ -106,6 +107,8 @@ def dry_run(graph: Any, batches: Iterable[EventBatch], *, chunk_batches: int = 6
         chunk.append(batch)
         result.batches += 1
         result.events += len(batch)
+        if len(batch):
+            result.oom_rows += int(np.count_nonzero(batch.events["kind"] == EventKind.OOM))
         if len(chunk) >= chunk_batches:
             take(*core.process_many(chunk))
             note_rejected()

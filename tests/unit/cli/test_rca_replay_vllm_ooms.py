@@ -68,3 +68,4 @@ def test_replay_runs_a_vllm_log_to_its_end(which, predictor, request):
     # replay ends with a flush at the log's last event: an OOM in a node's unfinished last interval
     # has no tick yet, and a restart drops the old run's unfinished interval
     assert dry["nodes"] == 2 and dry["ticks"] > 0 and 0 < dry["ooms"] <= n_ooms
+    assert dry["oom_rows"] == n_ooms
