@@ -80,7 +80,8 @@ def replay(
     else:
         s = out["dry_run"]
         console.print(f"{s['nodes']} node(s), {s['ticks']} ticks, {s['alerts']} alerts, {s['ooms']} OOM(s); the "
-                      f"policy would have issued {s['commands']} command(s) {s['commands_by_action']}")
+                      f"policy would have issued {s['commands']} command(s) {s['commands_by_action']}"
+                      + (f"; {len(s['skipped_batches'])} invalid batch(es) skipped" if s["skipped_batches"] else ""))
         if "what_if" in out:
             w = out["what_if"]
             for label in ("without_policy", "with_policy"):
