@@ -188,12 +188,17 @@ class CudaMemoryObserver:
     def _on_oom(self, device: int, requested: int, device_allocated: int, device_free: int) -> None:
         """PyTorch's OOM observer: an OOM row, flushed now (the engine may not survive this error)."""
         self.ooms += 1
+        reserved = allocated = None
         try:
             stats = self.torch.cuda.memory_stats(device)
-            unallocated = int(stats.get("reserved_bytes.all.current", 0)) - int(stats.get("allocated_bytes.all.current", 0))
+            reserved = int(stats.get("reserved_bytes.all.current", 0))
+            allocated = int(stats.get("allocated_bytes.all.current", 0))
+            unallocated = reserved - allocated
         except Exception:  # noqa: BLE001 - inside an OOM, report what is known
             unallocated = 0
         cause = OomCause.FRAGMENTATION if unallocated >= requested else OomCause.PEAK
+        if reserved is not None:  # PyTorch's OOM message's figures, for kvguard rca (an OOM_STEP DEVICE row)
+            self.translator.on_oom_device(device_free, reserved, allocated, requested)
         self.translator.on_oom(requested, unallocated, int(cause), int(OomLayer.ALLOCATOR))
         self.translator.extra["cuda_oom"] = {"device": int(device), "requested_bytes": int(requested),
                                              "device_allocated_bytes": int(device_allocated),

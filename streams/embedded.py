@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvguard.bus.dlq import RecordDecoder
@@ -30,27 +30,39 @@ from kvguard.streams.alerts import Alert
 from kvguard.streams.core import StreamConfig, StreamCore
 from kvguard.streams.outputs import output_records
 from kvguard.streams.predictor import Predictor
-from kvguard.wire.eventlog import read_event_log
+from kvguard.wire.eventlog import SkippedBatch, read_event_log
 
 log = logging.getLogger(__name__)
 
 
 def run_event_log(path, config: StreamConfig | None = None, predictor: Predictor | None = None, *,
-                  chunk_batches: int = 64, flush_ns: int | None = None,
-                  finish: bool = False) -> Iterator[tuple[list[Tick], list[Alert]]]:
+                  chunk_batches: int = 64, flush_ns: int | None = None, finish: bool = False,
+                  on_invalid: Callable[[SkippedBatch], None] | None = None,
+                  ) -> Iterator[tuple[list[Tick], list[Alert]]]:
     """Replay an event log through a fresh core, yielding (ticks, alerts) per chunk of batches.
     ``flush_ns``: finally emit every node's ticks up to that event time; ``finish``: finally emit
-    each node's last, partial tick (``StreamCore.finish``)."""
+    each node's last, partial tick (``StreamCore.finish``). ``on_invalid``: a batch line that is no
+    valid batch, and a batch the core rejects, are handed to it (``SkippedBatch``) and the replay goes
+    on, as the worker dead-letters them; without it an invalid line raises ``EventLogError``."""
     core = StreamCore(config, predictor)
-    _, batches = read_event_log(path)
+    _, batches = read_event_log(path, on_invalid=on_invalid)
     chunk = []
+
+    def process(chunk):
+        out = core.process_many(chunk)
+        if on_invalid is not None:
+            for r in core.rejected:
+                on_invalid(SkippedBatch(str(path), 0, r.batch.node, int(r.batch.epoch), int(r.batch.seq),
+                                        f"{r.reason}: {r.detail}"))
+        return out
+
     for batch in batches:
         chunk.append(batch)
         if len(chunk) >= chunk_batches:
-            yield core.process_many(chunk)
+            yield process(chunk)
             chunk = []
     if chunk:
-        yield core.process_many(chunk)
+        yield process(chunk)
     if flush_ns is not None:
         yield core.flush(flush_ns)
     if finish:

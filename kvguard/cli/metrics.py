@@ -26,8 +26,9 @@ def metrics(
 
     Per tick and node: U_kv, F_ext, F_int, Ψ, slope, the allocator family and the rest of
     docs/ARCHITECTURE.md "Metrics"; with --alerts the tier 1–2 (and, with --model, tier 3) alerts.
-    Each node's last, partial tick is included (marked partial). Deterministic: the same log gives
-    the same lines.
+    Each node's last, partial tick is included (marked partial). A batch that is no valid batch is
+    named (line, node, epoch, seq, reason; a `skipped_batch` line with --json) and left out, and the
+    replay goes on. Deterministic: the same log gives the same lines.
     """
     from kvguard.cli.simulate import parse_duration
     from kvguard.config.settings import ConfigError, Settings
@@ -59,8 +60,17 @@ def metrics(
         raise typer.Exit(2)
     n_ticks = n_alerts = 0
     out = sys.stdout
+    skipped = []
+
+    def skip(s) -> None:  # an invalid batch: named and left out, the replay goes on (the worker's DLQ)
+        skipped.append(s)
+        if as_json:
+            out.write(json.dumps({"type": "skipped_batch", **s.to_dict()}) + "\n")
+        else:
+            typer.echo(f"warning: {s.describe()}", err=True)
+
     try:
-        for ticks, raised in run_event_log(events, stream_config, predictor, finish=True):
+        for ticks, raised in run_event_log(events, stream_config, predictor, finish=True, on_invalid=skip):
             for t in ticks:
                 n_ticks += 1
                 record = tick_record(t)
@@ -76,8 +86,12 @@ def metrics(
     except EventLogError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None
+    if skipped and not n_ticks:
+        typer.echo(f"{events}: no valid batch ({len(skipped)} skipped)", err=True)
+        raise typer.Exit(2)
     if not as_json:
-        typer.echo(f"{n_ticks} ticks" + (f", {n_alerts} alerts" if alerts else ""), err=True)
+        typer.echo(f"{n_ticks} ticks" + (f", {n_alerts} alerts" if alerts else "")
+                   + (f", {len(skipped)} batch(es) skipped" if skipped else ""), err=True)
 
 
 def _tick_line(r: dict) -> str:

@@ -37,16 +37,26 @@ def replay(
     from kvguard.wire.eventlog import EventLogError, read_event_log
 
     console = Console(stderr=True)
+    skipped = []  # invalid batch lines: named and left out, the replay goes on (the worker's DLQ)
+
+    def skip(s) -> None:
+        skipped.append(s.to_dict())
+        typer.echo(f"warning: {s.describe()}", err=True)
+
     try:
         settings = Settings.load(config)
         graph = bootstrap(settings, profile=profile, predictor=None if no_lstm else "shipped")
-        _, batches = read_event_log(log)
+        _, batches = read_event_log(log, on_invalid=skip)
         batches = list(batches)
     except (ConfigError, ValueError, OSError, EventLogError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
+    if skipped and not batches:
+        typer.echo(f"error: {log}: no valid batch ({len(skipped)} skipped)", err=True)
+        raise typer.Exit(2)
     with console.status("replaying…") as status:
         result = dry_run(graph, batches, progress=lambda n: status.update(f"replaying… {n}/{len(batches)} batches"))
+    result.skipped[:0] = skipped
     out = {"log": str(log), "dry_run": result.summary(), "predictor": graph.predictor_note}
     if policy is not None:
         try:
@@ -70,7 +80,8 @@ def replay(
     else:
         s = out["dry_run"]
         console.print(f"{s['nodes']} node(s), {s['ticks']} ticks, {s['alerts']} alerts, {s['ooms']} OOM(s); the "
-                      f"policy would have issued {s['commands']} command(s) {s['commands_by_action']}")
+                      f"policy would have issued {s['commands']} command(s) {s['commands_by_action']}"
+                      + (f"; {len(s['skipped_batches'])} invalid batch(es) skipped" if s["skipped_batches"] else ""))
         if "what_if" in out:
             w = out["what_if"]
             for label in ("without_policy", "with_policy"):

@@ -13,7 +13,7 @@ ARRIVE        req    -/-                    prompt tokens        cls=priority (0
                                                                    flags=F_PRIORITY_DEFAULTED when missing,
                                                                    | F_PROMPT_LOGPROBS when it asks for them
 ADMIT         req    -/-                    -                    -
-FINISH        req    -/-                    tokens generated     flags=Outcome
+FINISH        req    -/-                    tokens generated     flags=Outcome; REJECTED: aux=Refusal (0 unknown)
 PREEMPT       req    -/-                    tokens to recompute  -   (its pages are released by FREE rows first)
 ALLOC         req    page run               tokens written       cls=page class index; a new live page, refcount 1
 SHARE         req    page run               tokens in page       cls; req takes a reference to a live page, or
@@ -64,6 +64,8 @@ GOVERN        req|-1 headroom/predicted     token budget set     the step govern
                                                                    predicted peak of the unshrunk step. With
                                                                    F_GOV_REFUSED: req refused at arrival (never fits;
                                                                    its FINISH has Outcome.NEVER_FITS), size = its need
+OOM_STEP      req    (by cls, below)        (by cls)             the step an OOM row right after it crashed
+                                                                   (cls=OomStepRow; bytes, tokens; for kvguard rca)
 ============  =====  ======================================================================
 
 Units are the KV pool's unit (``Geometry.unit_tokens`` tokens of KV). Every KV offset is in
@@ -76,6 +78,17 @@ workspaces, sampler logits) produces no row, so the rows rebuild the allocator's
 at every step boundary, while every segment the step's peak needed appears as SEG_ALLOC. An OOM
 of the allocator layer is an OOM row with ``cls=OomLayer.ALLOCATOR``, ``size`` the requested
 bytes, ``aux`` the reserved-but-unallocated bytes, and ``flags`` its ``OomCause``.
+
+OOM_STEP rows (written right before an allocator OOM row, contiguous with it; what PyTorch's OOM message
+and the engine's scheduler output say about the crashing step, which the OOM row alone cannot):
+``cls=OomStepRow.DEVICE``: ``size`` device free bytes, ``offset`` reserved bytes, ``tokens`` allocated
+bytes, ``aux`` the bytes the allocator tried to get from the device (the request rounded up);
+``cls=STEP``: ``size`` tokens scheduled, ``tokens`` sequences, ``offset`` prompt-logprob positions in
+the step, ``aux`` the headroom start-up left (device free + reserved-but-unallocated bytes once the
+engine was up); ``cls=REQUEST``, one per scheduled request: ``req``, ``tokens`` its tokens in the step,
+``offset`` its prompt tokens, ``size`` its context length once the step is done, ``aux`` its speculative
+tokens, ``flags`` F_PROMPT_LOGPROBS when it asks for prompt logprobs; ``cls=EXTERNAL``: ``size`` bytes
+another process holds on the device now, ``offset`` what it held at start-up, ``tokens`` bytes leaked.
 """
 
 from __future__ import annotations
@@ -117,10 +130,20 @@ class EventKind(IntEnum):
     BLK_FREE = 26
     ALLOC_RETRY = 27
     GOVERN = 28
+    OOM_STEP = 30  # the crashing step of the OOM row that follows (cls=OomStepRow)
 
 
 ALLOCATOR_KINDS = (EventKind.SEG_ALLOC, EventKind.SEG_FREE, EventKind.BLK_ALLOC, EventKind.BLK_FREE,
                    EventKind.ALLOC_RETRY)
+
+
+class OomStepRow(IntEnum):
+    """OOM_STEP ``cls``: which part of the crashing step the row describes (the module docstring)."""
+
+    DEVICE = 0
+    STEP = 1
+    REQUEST = 2
+    EXTERNAL = 3
 
 
 class Pool(IntEnum):
@@ -160,6 +183,17 @@ class Outcome(IntEnum):
     REJECTED = 2  # could never fit (prompt larger than the pool), or the engine was down (restarting)
     ABORTED = 3  # cancelled by the caller or the policy
     NEVER_FITS = 5  # refused at arrival by the step governor: its smallest step can never fit this node
+
+
+class Refusal(IntEnum):
+    """FINISH REJECTED ``aux``: why the server turned the request away (0 where the producer does not say)."""
+
+    UNKNOWN = 0
+    RESTARTING = 1  # the engine was down (restarting after a crash)
+    QUEUE_REQS = 2  # vLLM's 503: unfinished requests over --max-num-queued-reqs
+    QUEUE_TOKENS = 3  # vLLM's 503: the prefill backlog over --max-num-queued-tokens
+    PROMPT_TOO_LONG = 4  # the prompt does not fit the model's context (max_model_len), or is empty
+    OTHER = 5
 
 
 class Handling(IntEnum):

@@ -87,7 +87,9 @@ def _fleet_heatmap(plt, nodes) -> str:
 def _node_panel(plt, tl, t: AlertThresholds) -> str:
     fig, ax = plt.subplots(figsize=(11, 2.8))
     ax.plot(tl.ts_s, tl.u_kv, label="U_kv", color="tab:blue")
-    ax.plot(tl.ts_s, tl.f_ext, label="F_ext (KV)", color="tab:orange", alpha=0.8)
+    uniform = any(tl.alloc_reserved_bytes) and not any(tl.f_ext)  # uniform blocks: KV F_ext 0 by construction
+    ax.plot(tl.ts_s, tl.f_ext, label="F_ext (KV, 0 by construction: uniform blocks)" if uniform else "F_ext (KV)",
+            color="tab:orange", alpha=0.8)
     if any(tl.alloc_f_ext):
         ax.plot(tl.ts_s, tl.alloc_f_ext, label="F_ext (allocator)", color="tab:brown", alpha=0.8)
     p = [(ts, v) for ts, v in zip(tl.ts_s, tl.p_oom) if v is not None]
@@ -117,6 +119,8 @@ def _node_panel(plt, tl, t: AlertThresholds) -> str:
                  label="reserved GiB")
         ax2.plot(tl.ts_s, [b / GiB for b in tl.alloc_allocated_bytes], color="tab:olive", linewidth=0.9,
                  linestyle="--", label="allocated GiB")
+        ax2.plot(tl.ts_s, [(r - a) / GiB for r, a in zip(tl.alloc_reserved_bytes, tl.alloc_allocated_bytes)],
+                 color="tab:cyan", linewidth=0.9, linestyle=":", label="reserved-but-unallocated GiB")
         ax2.set_ylabel("allocator GiB")
         ax2.legend(loc="upper right", fontsize=7)
     ax.legend(loc="upper left", fontsize=7, ncol=4)

@@ -47,11 +47,14 @@ class ReplayResult:
     ticks: int = 0
     alerts: int = 0
     commands: int = 0
-    ooms: int = 0
+    ooms: int = 0  # OOMs the ticks counted (what the policy saw)
+    oom_rows: int = 0  # OOM rows of the log: more when a producer restart dropped an unfinished interval's tick
+    skipped: list[dict] = field(default_factory=list)  # batches left out: {line, node, epoch, seq, reason}
 
     def summary(self) -> dict:
         return {"nodes": len(self.nodes), "batches": self.batches, "events": self.events, "ticks": self.ticks,
-                "alerts": self.alerts, "commands": self.commands, "ooms": self.ooms,
+                "alerts": self.alerts, "commands": self.commands, "ooms": self.ooms, "oom_rows": self.oom_rows,
+                "skipped_batches": list(self.skipped),
                 "commands_by_action": _count(a for t in self.nodes.values() for _, a in t.commands),
                 "ooms_by_node": {n: len(t.ooms) for n, t in sorted(self.nodes.items()) if t.ooms}}
 
@@ -65,10 +68,11 @@ def _count(items: Iterable[str]) -> dict[str, int]:
 
 def dry_run(graph: Any, batches: Iterable[EventBatch], *, chunk_batches: int = 64,
             progress: Callable[[int], None] | None = None) -> ReplayResult:
-    """Streams, predictor and policy over ``batches``; commands are collected, never executed."""
+    """Streams, predictor and policy over ``batches``; commands are collected, never executed. A batch
+    the core rejects is listed in ``skipped``; the end of the input is the core's ``finish()`` (each
+    node's last, partial interval gets its tick, so an OOM there is counted)."""
     core, engine = graph.stream_core(), graph.policy_engine()
     result = ReplayResult({})
-    last_ns = 0
 
     def take(ticks, alerts) -> None:
         for tick in ticks:
@@ -94,21 +98,27 @@ def dry_run(graph: Any, batches: Iterable[EventBatch], *, chunk_batches: int = 6
         result.ticks += len(ticks)
         result.alerts += len(alerts)
 
+    def note_rejected() -> None:
+        result.skipped.extend({"line": None, "node": r.batch.node, "epoch": int(r.batch.epoch),
+                               "seq": int(r.batch.seq), "reason": f"{r.reason}: {r.detail}"} for r in core.rejected)
+
     chunk: list[EventBatch] = []
     for batch in batches:
         chunk.append(batch)
         result.batches += 1
         result.events += len(batch)
         if len(batch):
-            last_ns = max(last_ns, int(batch.events["ts_ns"].max()))
+            result.oom_rows += int(np.count_nonzero(batch.events["kind"] == EventKind.OOM))
         if len(chunk) >= chunk_batches:
             take(*core.process_many(chunk))
+            note_rejected()
             chunk = []
             if progress is not None:
                 progress(result.batches)
     if chunk:
         take(*core.process_many(chunk))
-    take(*core.flush(last_ns))
+        note_rejected()
+    take(*core.finish())
     if progress is not None:
         progress(result.batches)
     return result

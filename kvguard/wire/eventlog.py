@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,38 @@ class EventLogError(ValueError):
     def __init__(self, path: str, line_no: int, expected: str):
         self.path, self.line_no, self.expected = str(path), line_no, expected
         super().__init__(f"{path}:{line_no}: expected {expected}")
+
+
+@dataclass(slots=True, frozen=True)
+class SkippedBatch:
+    """A batch line a replay left out (``read_event_log(on_invalid=…)``), as the stream worker
+    dead-letters an invalid record: its line, the node, epoch and seq when the line names them,
+    and why."""
+
+    path: str
+    line_no: int
+    node: str | None
+    epoch: int | None
+    seq: int | None
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"line": self.line_no, "node": self.node, "epoch": self.epoch, "seq": self.seq, "reason": self.reason}
+
+    def describe(self) -> str:
+        where = f"node {self.node!r} epoch {self.epoch} seq {self.seq}" if self.node is not None else "the line"
+        at = f"{self.path}:{self.line_no}" if self.line_no else self.path
+        return f"{at}: {self.reason} ({where} skipped)"
+
+
+def _names(d: object) -> tuple[str | None, int | None, int | None]:
+    """The node, epoch and seq a batch line names, where it names them as such."""
+    if not isinstance(d, dict):
+        return None, None, None
+    node = d.get("node") if isinstance(d.get("node"), str) else None
+    epoch = d.get("epoch") if isinstance(d.get("epoch"), int) else None
+    seq = d.get("seq") if isinstance(d.get("seq"), int) else None
+    return node, epoch, seq
 
 
 def _dumps(obj: dict) -> bytes:
@@ -125,8 +158,13 @@ def write_event_log(path: str | Path, batches: Iterable[EventBatch], meta: dict 
     return w.events
 
 
-def read_event_log(path: str | Path, *, limits: WireLimits = DEFAULT_LIMITS) -> tuple[dict, Iterator[EventBatch]]:
-    """``(meta, batches)``; the header is read now, batches lazily. Bad lines raise ``EventLogError``."""
+def read_event_log(path: str | Path, *, limits: WireLimits = DEFAULT_LIMITS,
+                   on_invalid: Callable[[SkippedBatch], None] | None = None) -> tuple[dict, Iterator[EventBatch]]:
+    """``(meta, batches)``; the header is read now, batches lazily. Bad lines raise ``EventLogError``;
+    with ``on_invalid``, a line that is no valid batch (not JSON, not a batch, impossible contents) is
+    handed to it as a ``SkippedBatch`` and the reading goes on, as the stream worker dead-letters a bad
+    record and goes on (a bad header, unreadable gzip data or an overlong line still raise: what
+    follows cannot be trusted to be lines)."""
     path = str(path)
     try:
         fh = gzip.open(path, "rt", encoding="utf-8")
@@ -164,17 +202,25 @@ def read_event_log(path: str | Path, *, limits: WireLimits = DEFAULT_LIMITS) -> 
                     raise EventLogError(path, line_no, f"a line of at most {MAX_LINE_CHARS} characters")
                 if not line.strip():
                     continue
+                d = None
                 try:
-                    d = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise EventLogError(path, line_no, f"a JSON batch line ({e.msg})") from None
-                if not isinstance(d, dict) or d.get("type") != "batch":
-                    raise EventLogError(path, line_no, 'a line with "type":"batch"')
-                batch = batch_from_dict(d, path, line_no)
-                try:
-                    check_batch(batch, limits, region.get(batch.node))
-                except InvalidRecord as e:
-                    raise EventLogError(path, line_no, f"a valid batch of node {batch.node!r} ({e.detail})") from None
+                    try:
+                        d = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise EventLogError(path, line_no, f"a JSON batch line ({e.msg})") from None
+                    if not isinstance(d, dict) or d.get("type") != "batch":
+                        raise EventLogError(path, line_no, 'a line with "type":"batch"')
+                    batch = batch_from_dict(d, path, line_no)
+                    try:
+                        check_batch(batch, limits, region.get(batch.node))
+                    except InvalidRecord as e:
+                        raise EventLogError(path, line_no,
+                                            f"a valid batch of node {batch.node!r} ({e.detail})") from None
+                except EventLogError as e:
+                    if on_invalid is None:
+                        raise
+                    on_invalid(SkippedBatch(path, line_no, *_names(d), reason=f"expected {e.expected}"))
+                    continue
                 if batch.geometry is not None:
                     region[batch.node] = int(batch.geometry.dynamic_units)
                 yield batch

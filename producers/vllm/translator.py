@@ -62,6 +62,7 @@ from kvguard.contracts.events import (
     EventBatch,
     EventKind,
     Geometry,
+    OomStepRow,
     Outcome,
     PoolState,
     RegionState,
@@ -80,6 +81,7 @@ _ARRIVE, _ADMIT, _FINISH, _PREEMPT = (int(EventKind.ARRIVE), int(EventKind.ADMIT
                                       int(EventKind.PREEMPT))
 _ALLOC, _SHARE, _FREE, _RECLAIM = int(EventKind.ALLOC), int(EventKind.SHARE), int(EventKind.FREE), int(EventKind.RECLAIM)
 _FILL, _STEP, _SNAPSHOT, _OOM = int(EventKind.FILL), int(EventKind.STEP), int(EventKind.SNAPSHOT), int(EventKind.OOM)
+_OOM_STEP = int(EventKind.OOM_STEP)
 
 
 class BatchSink(Protocol):
@@ -295,6 +297,14 @@ class VllmEventTranslator:
         for b in sorted(self.cached):
             self._row(_RECLAIM, offset=b - 1, size=1)
         self.cached.clear()
+
+    def on_oom_device(self, device_free_bytes: int, reserved_bytes: int, allocated_bytes: int,
+                      requested_bytes: int) -> None:
+        """The device picture of the allocator OOM row that follows: an OOM_STEP DEVICE row (``kvguard rca``)."""
+        self.now()
+        self._row(_OOM_STEP, cls=int(OomStepRow.DEVICE), size=max(0, int(device_free_bytes)),
+                  offset=max(0, int(reserved_bytes)), tokens=max(0, int(allocated_bytes)),
+                  aux=max(0, int(requested_bytes)))
 
     def on_oom(self, requested_bytes: int, reserved_unallocated_bytes: int, cause: int, layer: int) -> None:
         self.now()

@@ -84,6 +84,7 @@ from kvguard.producers.sim.vllm.governed import REJECTED_NEVER_FITS, SimGovernor
 from kvguard.producers.sim.vllm.kv import BlockPoolView, EngineScheduler, EventRecorder
 from kvguard.producers.sim.vllm.kv_blocks import prompt_block_keys
 from kvguard.producers.sim.vllm.memory import StartupRefused, StepOOM, WorkerMemory
+from kvguard.producers.sim.vllm.oom_step import headroom_bytes, refusal_code, write_crashing_step
 from kvguard.producers.sim.vllm.scheduler import VLLM_VERSION_FOLLOWED, SchedulerConfig, SeqStatus
 from kvguard.producers.sim.workloads import HASH_BLOCK_TOKENS, Request, mix_hash
 from kvguard.producers.vllm.actions import VLLM_CAPABILITIES
@@ -265,6 +266,7 @@ class VllmEngine:
         if now_ns == 0 and not same:
             raise AssertionError("the worker measured a different start-up ledger than its profile")
         self.memory = memory
+        self.startup_headroom_bytes = headroom_bytes(memory.stats())  # for the OOM_STEP rows of a crash
         return True
 
     # ------------------------------------------------------------------ events
@@ -324,7 +326,8 @@ class VllmEngine:
                 self.rejected += 1
                 self.rejected_by_reason[reason] += 1
                 self._outstanding -= r.prompt_tokens + r.max_output_tokens
-                rec.row(_FINISH, ts, r.req_id, flags=_NEVER_FITS if reason == REJECTED_NEVER_FITS else _REJECTED)
+                rec.row(_FINISH, ts, r.req_id, flags=_NEVER_FITS if reason == REJECTED_NEVER_FITS else _REJECTED,
+                        aux=refusal_code(reason))
                 self._notify(r.req_id, ts, False)
                 continue
             self._reqs[r.req_id] = _Req(r.req_id, ts, r.prompt_tokens, r.max_output_tokens, priority)
@@ -407,6 +410,10 @@ class VllmEngine:
             else:
                 self.memory.run_step(total, seqs, now, batch)
         except StepOOM as e:
+            m = self.memory
+            write_crashing_step(rec, now, out, sched.requests, self._prompt_logprobs, e.error,
+                                startup_headroom=self.startup_headroom_bytes, neighbour_bytes=m.neighbour_bytes,
+                                neighbour_start_bytes=m.neighbour_start_bytes, leaked_bytes=m.leaked_bytes)
             self._crash(now, e)
             return True
         rec.row(_FILL, now, tokens=total)

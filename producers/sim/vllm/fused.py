@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from kvguard.contracts.events import EventKind
 from kvguard.producers.sim.vllm.memory import StepOOM
+from kvguard.producers.sim.vllm.oom_step import write_crashing_decode
 from kvguard.producers.sim.vllm.scheduler import SeqStatus
 
 _ALLOC, _FILL, _STEP = int(EventKind.ALLOC), int(EventKind.FILL), int(EventKind.STEP)
@@ -216,6 +217,11 @@ def fused_decode(engine, until_ns: int) -> bool:
     engine.steps += k_full
     engine._count_capped_steps(k_full)
     if oom is not None:
+        m = engine.memory
+        write_crashing_decode(rec, starts[k_full], [s for i, s in enumerate(running) if remaining[i] > k_full],
+                              engine._prompt_logprobs, oom.error, startup_headroom=engine.startup_headroom_bytes,
+                              neighbour_bytes=m.neighbour_bytes, neighbour_start_bytes=m.neighbour_start_bytes,
+                              leaked_bytes=m.leaked_bytes)
         engine._crash(starts[k_full], oom)
         return True
     engine.now_ns = engine.last_step_ns = ends[-1]

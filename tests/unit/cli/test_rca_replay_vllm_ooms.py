@@ -44,13 +44,18 @@ def restarted(tmp_path_factory):
 
 
 @PREDICTOR
-def test_rca_reports_every_oom_of_a_vllm_log(simulated, predictor, tmp_path):
-    path, n_ooms = simulated
+@pytest.mark.parametrize("which", ["simulated", "restarted"])
+def test_rca_reports_every_oom_of_a_vllm_log(which, predictor, tmp_path, request):
+    path, n_ooms = request.getfixturevalue(which)
     result = runner.invoke(app, ["rca", "--events", str(path), "--report", str(tmp_path / "rep"), "--json",
                                  *predictor])
     assert result.exit_code == 0, result.output
-    assert len(json.loads(result.stdout)["ooms"]) == n_ooms
-    assert (tmp_path / "rep" / "rca.md").exists()
+    ooms = json.loads(result.stdout)["ooms"]
+    assert len(ooms) == n_ooms
+    assert all(o["cause_key"] == "allocator:prompt_logprobs" and o["explanation"]["requests"] for o in ooms)
+    md = (tmp_path / "rep" / "rca.md").read_text()
+    assert "largest free run" not in md and "reserved-but-unallocated" in md
+    assert len(list((tmp_path / "rep").glob("oom_*.png"))) == n_ooms
 
 
 @PREDICTOR
@@ -63,3 +68,4 @@ def test_replay_runs_a_vllm_log_to_its_end(which, predictor, request):
     # replay ends with a flush at the log's last event: an OOM in a node's unfinished last interval
     # has no tick yet, and a restart drops the old run's unfinished interval
     assert dry["nodes"] == 2 and dry["ticks"] > 0 and 0 < dry["ooms"] <= n_ooms
+    assert dry["oom_rows"] == n_ooms

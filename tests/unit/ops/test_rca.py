@@ -140,8 +140,9 @@ def test_cli_json_stdout_is_pure_json_and_report_has_one_png_per_oom(oom_log, tm
     assert set(doc) >= {"ooms", "nodes", "summary"}
     assert doc["summary"]["ooms"] == len(crashes) == len(doc["ooms"])
     assert doc["summary"]["fragmentation_ooms"] == sum(c["fragmentation"] for c in crashes)
-    pngs = sorted(out_dir.glob("*.png"))
+    pngs = sorted(out_dir.glob("oom_*.png"))  # one per OOM; the incidents have their own, one per node
     assert len(pngs) == len(crashes)
+    assert len(list(out_dir.glob("*.png"))) == len(crashes) + len(doc["report"]["incident_images"])
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     md = (out_dir / "rca.md").read_text()
     assert md.count("## OOM ") == len(crashes) and pngs[0].name in md
@@ -182,3 +183,14 @@ def test_cli_unreadable_log_exits_2_naming_file_and_line(tmp_path, oom_log):
     path, _ = oom_log
     other = CliRunner().invoke(app, ["rca", "--events", str(path), "--no-lstm", "--node", "sim-0/gpu9"])
     assert other.exit_code == 2 and "sim-0/gpu9" in other.stderr
+
+
+def test_a_kv_arena_oom_keeps_the_kv_layers_language(replayed):
+    """The seed's arena OOMs are in KV units (largest free run, capacity or fragmentation); the allocator's
+    bytes language is for allocator OOMs only (issue 27)."""
+    rep, reports = replayed
+    assert reports and all(r.cause_key in ("kv_arena:capacity", "kv_arena:fragmentation") for r in reports)
+    assert all((r.cause_key == "kv_arena:fragmentation") == r.fragmentation for r in reports)
+    md = rca.markdown(reports, rca.summary(rep, reports), {}, "seed.jsonl.gz")
+    assert "largest free run" in md and "reserved-but-unallocated" not in md
+    assert all(r.to_dict()["unit"] == "kv_units" for r in reports)
