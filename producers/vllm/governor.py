@@ -87,7 +87,9 @@ class Candidates:
 
     num_seqs: int  # requests it may schedule: running + admissible waiting (at most max_num_seqs)
     decode_only: bool = False  # every candidate is decoding (no prompt left, nobody waiting)
-    prompt_logprob_tokens: int = 0  # most prompt positions a prompt-logprob candidate still computes
+    # most prompt-logprob positions live at once: the two largest remainders (vLLM's loop rebinds its
+    # tensors only after the next request's exist, so two requests' rows can be live together)
+    prompt_logprob_tokens: int = 0
     max_query_len: int = 0  # longest prompt remainder among candidates (1 when all decode)
     max_seq_len: int = 0  # longest context a candidate reaches this step
     spec_tokens: int = 0  # speculative tokens per decode row (k)
@@ -106,7 +108,7 @@ def worst_case(c: Candidates, budget: int) -> StepShape:
         seqs = max(1, min(c.num_seqs, budget))
         # the longest query and the most rows at once: a bound (their sum may pass the budget by seqs - 1)
         query = max(1, min(budget, c.max_query_len or budget))
-    logprobs = min(query, c.prompt_logprob_tokens) if c.prompt_logprob_tokens else 0
+    logprobs = min(tokens, c.prompt_logprob_tokens) if c.prompt_logprob_tokens else 0
     logits = min(tokens, seqs * per_row) if c.spec_tokens else 0
     return StepShape(tokens, seqs, logprobs, query, max(c.max_seq_len, query), logits)
 

@@ -159,7 +159,7 @@ class PluginGovernor:
         self._calls += 1
         if self._calls >= RESCAN_STEPS or self._run_scan is None:
             self._calls = 0
-            query = seq_len = lp = 0
+            query = seq_len = lp = lp2 = 0
             lp_ids = []
             for r in running:
                 n = r.num_tokens
@@ -171,8 +171,8 @@ class PluginGovernor:
                 positions = _logprob_positions(r)
                 if positions:
                     lp_ids.append(r.request_id)
-                    lp = max(lp, positions)
-            self._run_scan = [query, seq_len, lp]
+                    lp, lp2 = (positions, lp) if positions > lp else (lp, max(lp2, positions))
+            self._run_scan = [query, seq_len, lp + lp2]  # two requests' rows can be live at once
             self.lp_ids = lp_ids
         else:
             self._run_scan[1] += 1 + k
@@ -189,7 +189,7 @@ class PluginGovernor:
                     seq_len = r.num_tokens
                 positions = _logprob_positions(r)
                 if positions:
-                    lp = max(lp, positions)
+                    lp += positions  # conservative: each admissible one may add its rows
                     self.lp_ids.append(r.request_id)
         decode_only = not n_wait and query <= 1 + k
         seqs = max(1, min(self.max_num_seqs, len(running) + n_wait))

@@ -104,7 +104,7 @@ class SimGovernor:
                     query = s.num_tokens
             seq_len = max(seq_len, query)
         decode_only = not n_wait and query <= 1 + k
-        lp = 0
+        lp = lp2 = 0  # the two largest prompt-logprob remainders (two requests' rows can be live at once)
         requests = sched.requests
         waiting_ids = None
         for rid in self.engine._prompt_logprobs:
@@ -118,7 +118,11 @@ class SimGovernor:
                         waiting_ids = {s.request_id for s in waiting}
                     if rid in waiting_ids:
                         continue
-                lp = max(lp, left)
+                if left > lp:
+                    lp, lp2 = left, lp
+                elif left > lp2:
+                    lp2 = left
+        lp += lp2
         seqs = min(self.engine.profile.max_num_seqs, len(running) + n_wait)
         return Candidates(max(1, seqs), decode_only, _up(lp) if lp else 0,
                           1 + k if decode_only else _up(max(1, query)), _up(seq_len + k), k, len(running))

@@ -86,3 +86,16 @@ def test_eval_traffic_on_the_v1_runner_ooms_without_and_not_with_the_governor(ut
         results[g] = e
     assert results[False].ooms_by_cause.get("allocator:prompt_logprobs", 0) >= 1
     assert results[True].ooms == 0 and results[True].failed == 0
+
+
+def test_two_prompt_logprob_requests_in_one_step_count_both_their_rows():
+    """vLLM's V1 loop keeps the previous request's logits until the next one's exist: the bound is the two
+    largest remainders (an azure-code x2.5 run OOMed at pl_logprobs.18 while the bound took only the largest)."""
+    e = v1(0.97, True, prompt_logprobs_frac=1.0)
+    for i in range(2):
+        e.submit(Request(i, 0, 3000, 4))
+    e._arrive(0)  # both arrive, no step yet
+    c = e.governor.candidates(e.scheduler)
+    assert c.prompt_logprob_tokens == 2 * 3072  # both remainders, each rounded up to 256
+    e.advance(60 * NS_PER_S)
+    assert e.ooms == 0 and e.completed == 2
