@@ -54,6 +54,9 @@ BLK_ALLOC     -      block addr/bytes       requested bytes      cls=Pool, aux=s
 BLK_FREE      -      block addr/bytes       -                    cls=Pool, aux=segment addr; such a block freed
 ALLOC_RETRY   -      -/-                    -                    a malloc found no cached block and no device
                                                                    memory: cached blocks were released, retried
+ADMISSION     req    retry-after ms/        prompt tokens        cls=Decision (producers.admission: 1 held,
+                     saturation x1000                              2 refused, 3 released), aux=predicted queueing
+                                                                   delay ms; a refusal is then FINISH REFUSED
 ============  =====  ======================================================================
 
 Units are the KV pool's unit (``Geometry.unit_tokens`` tokens of KV). Every KV offset is in
@@ -106,6 +109,7 @@ class EventKind(IntEnum):
     BLK_ALLOC = 25
     BLK_FREE = 26
     ALLOC_RETRY = 27
+    ADMISSION = 29  # the node's admission gate held, refused or released a request (issue 29)
 
 
 ALLOCATOR_KINDS = (EventKind.SEG_ALLOC, EventKind.SEG_FREE, EventKind.BLK_ALLOC, EventKind.BLK_FREE,
@@ -148,6 +152,7 @@ class Outcome(IntEnum):
     FAILED_OOM = 1  # the engine crashed under it
     REJECTED = 2  # could never fit (prompt larger than the pool), or the engine was down (restarting)
     ABORTED = 3  # cancelled by the caller or the policy
+    REFUSED = 4  # refused at admission (overload), retryable: answered with Retry-After (issue 29)
 
 
 class Handling(IntEnum):
