@@ -57,6 +57,9 @@ ALLOC_RETRY   -      -/-                    -                    a malloc found 
 ADMISSION     req    retry-after ms/        prompt tokens        cls=Decision (producers.admission: 1 held,
                      saturation x1000                              2 refused, 3 released), aux=predicted queueing
                                                                    delay ms; a refusal is then FINISH REFUSED
+                                                                   req -1: the node's state for a typical
+                                                                   request (cls 0 admit), at most once a second:
+                                                                   the router series (Tick endpoint_*)
 ============  =====  ======================================================================
 
 Units are the KV pool's unit (``Geometry.unit_tokens`` tokens of KV). Every KV offset is in

@@ -366,6 +366,9 @@ class MetricTick(WireModel):
     logprob_requests_pending: int = Field(0, ge=0)
     logprob_prompt_tokens_pending: int = Field(0, ge=0)
     late_events: int = Field(0, ge=0)
+    endpoint_admit: int | None = Field(None, ge=0, le=1)
+    endpoint_saturation: float | None = Field(None, ge=0.0, le=1.0)
+    endpoint_queue_delay_s: float | None = Field(None, ge=0.0)
 
     def to_tick(self) -> Tick:
         """The core's tick from this validated record: fields the record does not carry take the

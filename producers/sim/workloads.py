@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from kvguard.contracts.units import NS_PER_S
+from kvguard.producers.admission import priority_for
 
 HASH_BLOCK_TOKENS = 64
 MOONCAKE_BLOCK_TOKENS = 512
@@ -450,8 +451,6 @@ def with_priority_mix(wl: Workload, mix, seed: int = 0) -> Workload:
     """``wl`` with each request's priority drawn from ``mix`` (``producers.admission.parse_priority_mix``:
     ((priority, share), ...)), deterministically per (request id, seed); a request whose trace gave it a
     priority keeps it (the trace's own field wins)."""
-    from kvguard.producers.admission import priority_for
-
     out = [r if r.priority is not None else Request(r.req_id, r.arrival_ns, r.prompt_tokens, r.max_output_tokens,
                                                     priority_for(mix_hash(r.req_id, seed), mix), r.block_hashes)
            for r in wl.requests]

@@ -32,6 +32,7 @@ from kvguard.producers.admission import (
 
 _ADMISSION = int(EventKind.ADMISSION)
 _DELAY_CAP_MS = 86_400_000
+STATE_EVERY_NS = NS_PER_S  # an endpoint state row (req -1) at most once per second of event time
 
 
 class ShadowGate:
@@ -44,6 +45,7 @@ class ShadowGate:
         self.stats = AdmissionStats()
         self._prompt_sum = self._prompt_n = 0
         self.last: Verdict | None = None
+        self._state_ns = -STATE_EVERY_NS
 
     # ---- the engine's view ---------------------------------------------------------------------
     def view(self) -> NodeView:
@@ -96,7 +98,14 @@ class ShadowGate:
             self._refuse(ts, request, priority, verdict)
 
     def release(self, now: int, *, down: bool = False) -> None:
-        """Re-decide the held requests (highest priority, then oldest, first)."""
+        """Re-decide the held requests (highest priority, then oldest, first); at most once per
+        ``STATE_EVERY_NS`` write the endpoint state row the router series come from."""
+        if now - self._state_ns >= STATE_EVERY_NS:
+            self._state_ns = now
+            v = self.endpoint_state()
+            delay_ms = _DELAY_CAP_MS if not math.isfinite(v.delay_s) else min(_DELAY_CAP_MS, int(v.delay_s * 1000))
+            self.engine.recorder.row(_ADMISSION, now, -1, cls=int(v.decision), size=int(round(v.saturation * 1000)),
+                                     aux=delay_ms)
         if not len(self.held):
             return
         for h in self.held:

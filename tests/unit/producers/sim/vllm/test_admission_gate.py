@@ -53,7 +53,8 @@ def test_every_request_is_answered_and_each_refusal_is_counted_and_rowed(gated):
     assert s.unfinished == 0  # drained: every held request was released or refused
     finish = rows[rows["kind"] == EventKind.FINISH]
     assert int(np.count_nonzero(finish["flags"] == Outcome.REFUSED)) == s.refused
-    adm = rows[rows["kind"] == EventKind.ADMISSION]
+    adm = rows[(rows["kind"] == EventKind.ADMISSION) & (rows["req"] >= 0)]  # req -1: the endpoint state rows
+    assert np.count_nonzero((rows["kind"] == EventKind.ADMISSION) & (rows["req"] == -1)) > 0
     refused_rows = adm[adm["cls"] == Decision.REFUSE]
     assert len(refused_rows) == s.refused
     assert (refused_rows["offset"] >= 1000).all()  # Retry-After of at least a second
@@ -92,3 +93,32 @@ def test_priorities_reach_vllms_scheduler_reversed():
     if got:  # still running: vLLM's value is 10 - p
         assert all(v == 10 - k for k, v in got.items())
     assert e.requests_by_priority == {9: 1, 5: 1, 1: 1}
+
+
+def test_the_stream_turns_the_gates_state_rows_into_the_router_series_of_each_tick():
+    from kvguard.streams.core import StreamCore
+
+    fleet = Fleet(1, load_profile(VLLM, knobs=EngineKnobs(scheduling_policy="priority")),
+                  config=VllmEngineConfig(admission=AdmissionConfig()), router="kvguard")
+    fleet.submit_workload(_requests(rate=3.0, window=40.0))
+    core = StreamCore()
+    ticks = []
+    for _, batches in fleet.steps(40 * NS_PER_S, step_ns=10 * NS_PER_S):
+        ticks += core.process_many(batches)[0]
+    ticks = [t for t in ticks if t.endpoint_admit is not None]
+    assert ticks
+    assert all(0.0 <= t.endpoint_saturation <= 1.0 and t.endpoint_queue_delay_s >= 0 for t in ticks)
+    assert {t.endpoint_admit for t in ticks} <= {0, 1}
+    assert max(t.endpoint_saturation for t in ticks) > 0.5  # the overload shows
+
+
+def test_without_a_gate_the_ticks_carry_no_router_series(default):
+    from kvguard.streams.core import StreamCore
+
+    fleet = Fleet(1, load_profile(VLLM))
+    fleet.submit_workload(_requests(window=20.0))
+    core = StreamCore()
+    ticks = []
+    for _, batches in fleet.steps(20 * NS_PER_S, step_ns=10 * NS_PER_S):
+        ticks += core.process_many(batches)[0]
+    assert ticks and all(t.endpoint_admit is None for t in ticks)
