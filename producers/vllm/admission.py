@@ -18,6 +18,9 @@ engine runs (least squares over a window), so the delay predictions use this GPU
 ``kvguard_endpoint_queue_delay_seconds`` (the exporter's names, ``kvguard.ops.exporter.TICK_GAUGES``) as a
 prometheus_client collector, so a router scraping the pod reads them (deploy/llm-d/epp-config.yaml).
 
+Served with ``KVGUARD_ENDPOINT_METRICS_PORT`` set (``producers.vllm.plugin``). The length model starts at
+each request's ``max_tokens`` and the step timer at its prior (the plugin does not feed them yet).
+
 What this does not do on a real vLLM: refuse. vLLM's own refusals (``--max-num-queued-reqs`` ->
 ``QueueOverflowError``, 503) are raised in the API server's ``AsyncLLM.check_admission``, a process the
 engine-core plugin does not run in; the refusal with Retry-After is the router's (llm-d flow control
@@ -128,3 +131,12 @@ class EndpointCollector:
             family = GaugeMetricFamily(name, text, labels=keys)
             family.add_metric(values, float(value))
             yield family
+
+
+def serve_endpoint_series(admission: VllmAdmission, port: int, labels: dict[str, str] | None = None) -> Any:
+    """Serve the router series on ``port`` (``/metrics``, a daemon thread), in a registry of their own."""
+    from prometheus_client import CollectorRegistry, start_http_server  # only when a port is asked for
+
+    registry = CollectorRegistry()
+    registry.register(EndpointCollector(admission, labels))
+    return start_http_server(port, registry=registry)

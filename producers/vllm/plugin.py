@@ -49,6 +49,7 @@ from typing import Any
 from kvguard.producers.sinks import make_sink, node_id_from_env, usable_node_id
 from kvguard.producers.torch_cuda import CudaMemoryObserver
 from kvguard.producers.vllm.actions import ExecutorEngine, VllmActions
+from kvguard.producers.vllm.admission import VllmAdmission, serve_endpoint_series
 from kvguard.producers.vllm.hooks import Attachment
 from kvguard.producers.vllm.step_memory import prompt_logprobs_row_bytes
 from kvguard.producers.vllm.translator import BatchSink, VllmEventTranslator, geometry_for_blocks
@@ -92,6 +93,7 @@ class PluginConfig:
     cuda_stats_every_ms: float = 100.0
     cuda_segments_every_s: float = 5.0
     logprobs_guard: bool = True  # size steps so prompt-logprob logits fit the CUDA headroom (vllm_plugin_actions)
+    endpoint_metrics_port: int = 0  # > 0: serve kvguard's router series on this port (producers.vllm.admission)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginConfig:
@@ -105,7 +107,8 @@ class PluginConfig:
                    cuda_stats_every_ms=float(env.get("KVGUARD_CUDA_STATS_EVERY_MS", 100.0)),
                    cuda_segments_every_s=float(env.get("KVGUARD_CUDA_SEGMENTS_EVERY_S", 5.0)),
                    logprobs_guard=env.get("KVGUARD_LOGPROBS_GUARD", "1").strip().lower() not in ("0", "false", "no",
-                                                                                                 "off"))
+                                                                                                 "off"),
+                   endpoint_metrics_port=int(env.get("KVGUARD_ENDPOINT_METRICS_PORT", 0) or 0))
 
 
 # ---------------------------------------------------------------- the plugin per engine
@@ -174,11 +177,14 @@ class VllmPlugin:
         self.attachment = Attachment(scheduler, self.translator, actions=self.actions, memory=self.memory)
         self.scheduler = scheduler
         self.executor_engine = ExecutorEngine(self.node, self.actions)
+        self.admission = VllmAdmission(scheduler)  # the router series' model (issue 29)
         self.closed = False
 
     def attach(self) -> VllmPlugin:
         self.attachment.attach()
         self.memory.install_oom_observer()
+        if self.config.endpoint_metrics_port > 0:
+            serve_endpoint_series(self.admission, self.config.endpoint_metrics_port, {"node": self.node})
         log.info("kvguard attached to vLLM: node %s, %d blocks of %d tokens, CUDA observer %s, sink %s",
                  self.node, self.geometry.dynamic_units, self.geometry.unit_tokens, self.memory.reason,
                  type(self.sink).__name__)
