@@ -6,9 +6,11 @@ counted by the fleet as refused).
 
 - ``route_by_admission`` reads what kvguard exports per endpoint (``kvguard_endpoint_admit``,
   ``kvguard_endpoint_saturation``, ``kvguard_endpoint_queue_delay_seconds``; the same three values,
-  ``ShadowGate.endpoint_state``): among the endpoints that are up and admit, the lowest expected
-  queueing delay (ties: least outstanding tokens, then the lowest index); none admits: the least
-  saturated one, whose gate then holds or refuses. Engines without a gate: least outstanding tokens.
+  ``ShadowGate.endpoint_state``): the admit bit filters (endpoints up and admitting), least outstanding
+  tokens picks among them (ties: the lowest index) — a filter then a scorer, as llm-d-router composes
+  them; none admits: the least saturated one (then the lowest delay), whose gate holds or refuses.
+  Engines without a gate: least outstanding tokens. (Picking the lowest expected delay among the
+  admitting ones did worse on the bench: the probe's delay differences are small and not the load.)
 - ``LlmdUtilizationRouter`` (llm-d-router ``pkg/epp/flowcontrol/saturationdetector/utilization``,
   defaults ``queueDepthThreshold`` 5, ``kvCacheUtilThreshold`` 0.8, read from ``vllm:num_requests_waiting``
   and ``vllm:kv_cache_usage_perc``): ``EndpointScore = max(queue / 5, kv / 0.8)``; endpoints scoring
@@ -48,7 +50,7 @@ def route_by_admission(engines: list, request) -> int:
         return min(up, key=lambda i: engines[i].outstanding_tokens())
     admitting = [i for i in up if series[i][0]]
     if admitting:
-        return min(admitting, key=lambda i: (series[i][2], engines[i].outstanding_tokens(), i))
+        return min(admitting, key=lambda i: (engines[i].outstanding_tokens(), i))
     return min(up, key=lambda i: (series[i][1], series[i][2], i))
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvguard.contracts.units import NS_PER_S
-from kvguard.producers.admission import parse_priority_mix
-from kvguard.producers.sim.routing import LlmdUtilizationRouter, llmd_priority
+from kvguard.producers.admission import Decision, Verdict, parse_priority_mix
+from kvguard.producers.sim.routing import LlmdUtilizationRouter, llmd_priority, route_by_admission
 from kvguard.producers.sim.run import DEFAULT_SLO, SloTargets, parse_goodput, slo_fields
 from kvguard.producers.sim.workloads import Request, Workload, with_priority_mix
 
@@ -63,3 +63,23 @@ def test_llmd_baseline_filters_saturated_endpoints_and_sheds_only_sheddable_when
     hot = [_Endpoint(10, 0.9), _Endpoint(8, 0.85)]  # pool saturation >= 1
     assert router(hot, low) == -1
     assert router(hot, vip) == 1  # all filtered: the least scored one (fallbackOnEmpty)
+
+
+class _Gated:
+    def __init__(self, admit, saturation, delay, outstanding, up=True):
+        self.gate = type("G", (), {"endpoint_state": lambda _self: Verdict(
+            Decision.ADMIT if admit else Decision.HOLD, delay, saturation)})()
+        self.outstanding, self.up = outstanding, up
+
+    def outstanding_tokens(self):
+        return self.outstanding
+
+    def is_up(self, at_ns):
+        return self.up
+
+
+def test_kvguards_router_filters_on_the_admit_bit_then_picks_the_least_loaded():
+    r = Request(0, 0, 10, 10, 5)
+    assert route_by_admission([_Gated(0, 0.9, 5.0, 10), _Gated(1, 0.5, 0.1, 900), _Gated(1, 0.6, 0.2, 500)], r) == 2
+    assert route_by_admission([_Gated(0, 0.9, 5.0, 10), _Gated(0, 0.7, 9.0, 900)], r) == 1  # none admits
+    assert route_by_admission([_Gated(1, 0.1, 0.1, 10, up=False), _Gated(1, 0.5, 0.1, 900)], r) == 1  # down
