@@ -1,6 +1,11 @@
 """Fragmentation budget: per node and cluster, per ISO week (UTC), the seconds spent with
 F_ext above a threshold, debited once per tick, like an SRE error budget.
 
+The F_ext debited is the layer's where fragmentation exists (``fragmented_f_ext``): the KV layer's,
+or the caching allocator's where the node reports that layer and it is the more fragmented. On
+uniform-block engines (vLLM's paged KV cache: any free block serves any request) the KV layer's F_ext
+is 0 by construction, and the fragmentation that can fail a step is the allocator's.
+
 Pure core: week arithmetic, the debit computation, the ledger interface, the in-memory ledger
 (the embedded default) and the outage buffer used by the Redis ledger (policy/budget_redis.py).
 No clock is read here: every debit carries the tick's own timestamp, so a replay of the same
@@ -343,12 +348,24 @@ def tick_week(ts_ns: int) -> str:
     return iso_week(int(ts_ns) - 1)
 
 
+def fragmented_f_ext(f_ext: float, alloc_f_ext: float = 0.0, alloc_reserved_bytes: int = 0) -> float:
+    """The F_ext the budget debits: the KV layer's ``f_ext``, or the caching allocator's
+    ``alloc_f_ext`` when the node reports an allocator layer (``alloc_reserved_bytes`` > 0) and it is
+    higher. A NaN KV F_ext stays NaN (burns nothing)."""
+    if alloc_reserved_bytes and alloc_f_ext > f_ext:
+        return float(alloc_f_ext)
+    return float(f_ext)
+
+
 def tick_values(tick: Tick, tick_s: float | None) -> tuple[str, int, float, float]:
     """(node, ts_ns, tick_s, f_ext) of a streams Tick (or anything with node, ts_ns, f_ext and,
-    unless ``tick_s`` is given, tick_s)."""
+    unless ``tick_s`` is given, tick_s); f_ext is the layer's that fragments (``fragmented_f_ext``;
+    the allocator fields count as absent on a record without them)."""
     try:
         seconds = float(tick.tick_s) if tick_s is None else float(tick_s)
-        return str(tick.node), int(tick.ts_ns), seconds, float(tick.f_ext)
+        f_ext = fragmented_f_ext(float(tick.f_ext), float(getattr(tick, "alloc_f_ext", 0.0)),
+                                 int(getattr(tick, "alloc_reserved_bytes", 0)))
+        return str(tick.node), int(tick.ts_ns), seconds, f_ext
     except AttributeError as exc:
         raise TypeError(f"debit_tick: {type(tick).__name__} lacks {exc.name!r}; "
                         "expected attributes node, ts_ns, f_ext (and tick_s unless given)") from None

@@ -12,9 +12,9 @@ Three targets, the largest need wins (fractions of the dynamic region D):
 * U_kv back to ``target_u_kv``: ``u_kv - target_u_kv``;
 * Ψ back to ``target_psi``. Ψ = used/D · m with m = 1 + α·F_ext + β·F_int. Fragmentation is
   what compaction cures, so the need is computed at the F_ext a compaction leaves
-  (``compacted_f_ext``): the live KV to drop is ``used/D - target_psi / m_after``. Measured on
-  the shadow engine, Ψ with the current F_ext is ≥ 1 for much of a busy run that never OOMs, so
-  targeting it uncompacted would evict far more than needed;
+  (``compacted_f_ext``): the live KV to drop is ``used/D - target_psi / m_after``. Ψ with the
+  current F_ext stays ≥ 1 for much of a busy run that never OOMs (docs/RESULTS.md,
+  "Figures moved from module docstrings"), so targeting it uncompacted would evict far more than needed;
 * the predicted trajectory, when the strategy uses the prediction: the LSTM's U_kv forecast
   over the next minutes, and the tick's own short-term trajectory — the units the candidates'
   unfinished prompts will still take (``pending_prefill_units``) on top of today's U_kv:

@@ -66,7 +66,7 @@ Latency (docs/ARCHITECTURE.md, "Targets": event → command executed, p99 ≤ 50
 holding its batch is handled: the ticks are sent before any checkpoint wait, which only delays the
 next chunk. What bounds the hop is how long a record waits to be fetched and chunked: Faust's
 consumer fetch wait (Faust hardcodes 1500 ms; Tansu 0.6 holds a fetch that long even when records
-arrive meanwhile, ~600 ms median per record) is set from ``kafka.fetch_max_wait_ms`` (or
+arrive meanwhile: docs/RESULTS.md, "Figures moved from module docstrings") is set from ``kafka.fetch_max_wait_ms`` (or
 ``kafka.consumer_options``), the chunk wait from ``streams.chunk_max_wait_s``, and the output
 producer's linger from ``kafka.linger_ms``.
 

@@ -10,6 +10,7 @@ import typer
 
 from kvguard.cli import engine_flags as flags_
 from kvguard.cli.app import app
+from kvguard.cli.narrow_help import NarrowHelpCommand
 
 GiB = 1 << 30
 DEFAULT_WHAT_IF = "0.85,0.90,0.92,0.94,0.95,0.96,0.97,0.98,0.99"
@@ -42,7 +43,7 @@ PLAN_HELP = (
     "server's start-up budget from its log instead of the model's estimate. docs/PLAN.md explains each number.")
 
 
-@app.command(help=PLAN_HELP)
+@app.command(help=PLAN_HELP, cls=NarrowHelpCommand)
 def plan(
     profile: str = flags_.PROFILE,
     model_config: str = flags_.MODEL_CONFIG,
@@ -67,7 +68,7 @@ def plan(
     max_num_queued_tokens: str = flags_.MAX_NUM_QUEUED_TOKENS,
     scheduling_policy: str = flags_.SCHEDULING_POLICY,
     traffic: str = typer.Option(None, "--traffic", help="The request classes the server must survive, "
-                                "CLASS[:SHARE][@SHAPE] separated by commas, e.g. prompt_logprobs:0.05,long_context:0.02"
+                                "CLASS[:SHARE]\\[@SHAPE] separated by commas, e.g. prompt_logprobs:0.05,long_context:0.02"
                                 "@60000,spec_decode. Classes: prompt_logprobs (@longest prompt), logprobs (@N), "
                                 "long_context (@prompt tokens), spec_decode (@concurrent sequences).",
                                 rich_help_panel=PLAN_PANEL),

@@ -168,3 +168,39 @@ class Tick:
     def with_prediction(self, p_oom: float, u_kv_forecast: list[float]) -> "Tick":
         return replace(self, p_oom=p_oom, u_kv_forecast=u_kv_forecast)
 
+
+# The tick's groups: every field in exactly one (tests/unit/contracts/test_tick_groups.py). The tick
+# stays one flat record (``tick.u_kv`` is read everywhere); the groups are metadata, carried into the
+# wire model's JSON schema (``kvguard.wire.schemas.MetricTick``) and used to document and plot a layer.
+TICK_GROUPS: dict[str, tuple[str, ...]] = {
+    # which node, which interval, how complete
+    "interval": ("node", "ts_ns", "tick_s", "synced", "epoch", "partial", "events", "late_events"),
+    # the KV layer: the engine's pages (units of ``unit_bytes``), its fragmentation, its failures
+    "kv": ("u_kv", "f_ext", "f_int", "psi", "slope_per_min", "live_units", "cached_units", "retained_units",
+           "workspace_units", "free_units", "largest_free_run_units", "n_free_runs", "dynamic_units",
+           "tokens_stored", "reserved_frac", "unit_bytes", "pages_per_request_p50", "pages_per_request_p95",
+           "pages_per_request_p99", "alloc_failures", "alloc_fail_per_s"),
+    # the caching-allocator layer (PyTorch's names; bytes): where fragmentation lives on uniform blocks
+    "allocator": ("alloc_reserved_bytes", "alloc_allocated_bytes", "alloc_inactive_split_bytes",
+                  "alloc_largest_free_block_bytes", "alloc_f_ext", "alloc_segments", "alloc_retries"),
+    # the device memory split (fractions of M)
+    "memory": ("util_weights", "util_kv_live", "util_kv_cached", "util_workspace", "util_free", "util_headroom",
+               "util_reserved", "util_activation", "util_reserved_unused"),
+    # the requests of the interval
+    "requests": ("requests_running", "requests_holding_pages", "requests_waiting", "arrivals", "finished",
+                 "evicted_pages", "evicted_requests", "evicted_tokens", "preemptions", "ooms", "s_since_oom",
+                 "tokens_per_s", "decode_tokens_per_s", "candidates", "logprob_requests_pending",
+                 "logprob_prompt_tokens_pending"),
+    # the predictor's outputs (``with_prediction``)
+    "prediction": ("p_oom", "u_kv_forecast"),
+}
+_GROUP_OF = {name: group for group, names in TICK_GROUPS.items() for name in names}
+
+
+def tick_group(name: str) -> str:
+    """The group of the Tick field ``name`` (KeyError names the table when it is in none)."""
+    try:
+        return _GROUP_OF[name]
+    except KeyError:
+        raise KeyError(f"Tick.{name} is in no group: add it to TICK_GROUPS in kvguard/contracts/tick.py") from None
+

@@ -25,15 +25,11 @@ not depend on ``LOAD_HALF``; it only places the numbers an autoscaler threshold 
 
 What it is not: a crash predictor. It reads no crash history (no ``ooms``, no ``s_since_oom``,
 no label), only load and which GPUs serve; a GPU counts as down from what its ticks show, the
-same for a crash, a drain or a lost producer. Measured (``bench/eval_fleet_risk.py``, README.md
-"Scale out before the peak"): held-out AUC 0.70 (azure-conv) and 0.73 (mooncake-sample) on the
-vLLM-faithful engine's fleets, 0.88 on the seed engine's azure-conv fleets, but 0.22-0.56 on the
-training workloads, and no lead time worth the name at a threshold calibrated on them. Two choices
-here were made after looking at held-out runs, so their figures lean optimistic: the constant
-``TOKENS_PER_UNIT`` (the F_int estimate scored 0.84 against 0.91 on one seed-engine azure-conv
-fleet) and the "one request per GPU" rule for silence (without it, the idle GPUs of quiet
-mooncake fleets read as down). Use it as a scale-out signal (more GPUs before the peak), not as
-an OOM alarm.
+same for a crash, a drain or a lost producer. How well it does (``bench/eval_fleet_risk.py``):
+docs/RESULTS.md, "Scale out before the peak". Two choices here were made after looking at held-out
+runs, so its figures lean optimistic: the constant ``TOKENS_PER_UNIT`` (against the F_int estimate)
+and the "one request per GPU" rule for silence (without it, the idle GPUs of quiet mooncake fleets
+read as down). Use it as a scale-out signal (more GPUs before the peak), not as an OOM alarm.
 
 Pure: the standard library only; time is an argument (the ticks' event time).
 """

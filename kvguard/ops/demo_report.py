@@ -5,7 +5,11 @@
 * ``summary.json`` — what ``kvguard demo --json`` prints;
 * ``report.md`` — the comparison table, the headline ratios, the workload and what kvguard did;
 * ``timeline.png`` — U_kv, F_ext and Ψ per GPU over time, baseline left, closed loop right, with
-  every OOM (red x) and every executed command (black |) marked and the tiers' thresholds drawn;
+  every OOM (red x) and every executed command (black |) marked and the tiers' thresholds drawn.
+  F_ext is the layer's that fragments (``timeline_rows``): on uniform-block engines (vLLM) the KV
+  layer's is 0 by construction, so where the node reports a caching-allocator layer and the KV
+  layer's F_ext is 0 throughout, the row draws the allocator's F_ext, and a row below Ψ its
+  reserved-but-unallocated bytes, each labelled as such;
   past ``SMALL_FLEET`` GPUs, where lines would be unreadable, heatmaps instead (one row per GPU:
   U_kv, and P(OOM) when the run has a predictor; OOMs and commands marked on each GPU's row, the
   colour bar marks the critical U_kv line);
@@ -17,6 +21,7 @@ matplotlib is imported inside the function (Agg backend), never at import time.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +31,8 @@ from kvguard.contracts.tiers import AlertThresholds
 from kvguard.contracts.units import NS_PER_S
 from kvguard.policy.strategy import Strategy
 
-ROWS = (("u_kv", 1, "U_kv"), ("f_ext", 2, "F_ext"), ("psi", 3, "Ψ"))
+# the caching allocator's fields of a series point (kvguard.runtime.embedded.SERIES_FIELDS)
+ALLOC_F_EXT, ALLOC_UNALLOCATED, ALLOC_RESERVED = 5, 6, 7
 SMALL_FLEET = 8  # more GPUs than this: heatmaps, not one line per GPU
 U_KV_CRITICAL = AlertThresholds().u_kv_critical  # the threshold tier's line, marked on the colour bar
 F_EXT_TRIGGER = Strategy.__dataclass_fields__["f_ext_trigger"].default  # the policy's fragmentation trigger
@@ -45,6 +51,37 @@ def write_report(directory: str | Path, result: dict, baseline: Any, guarded: An
     return out
 
 
+@dataclass(slots=True, frozen=True)
+class TimelineRow:
+    label: str
+    index: int  # of the series point (``SERIES_FIELDS``)
+    line: float | None = None  # a threshold drawn across the row
+    scale: float = 1.0  # the values are divided by this (bytes to GiB)
+    style: str = ":"  # of the threshold line
+
+
+def _reports_allocator(runs: tuple[Any, ...]) -> bool:
+    points = (p for run in runs for pts in run.series.values() for p in pts)
+    return any(len(p) > ALLOC_RESERVED and p[ALLOC_RESERVED] for p in points)
+
+
+def timeline_rows(*runs: Any) -> list[TimelineRow]:
+    """The timeline's rows for these runs: U_kv, F_ext of the layer that fragments, Ψ, and (when the
+    nodes report a caching-allocator layer) its reserved-but-unallocated bytes. The KV layer's F_ext
+    when it is ever above 0; else, with an allocator layer (a uniform-block engine: the KV layer's is 0
+    by construction), the caching allocator's."""
+    allocator = _reports_allocator(runs)
+    kv_flat = all(not p[2] for run in runs for pts in run.series.values() for p in pts)
+    if allocator and kv_flat:
+        f_ext = TimelineRow("F_ext (caching allocator;\nKV layer 0: uniform blocks)", ALLOC_F_EXT, F_EXT_TRIGGER)
+    else:
+        f_ext = TimelineRow("F_ext (KV layer)", 2, F_EXT_TRIGGER)
+    rows = [TimelineRow("U_kv", 1, U_KV_CRITICAL), f_ext, TimelineRow("Ψ", 3, 1.0, style="--")]
+    if allocator:
+        rows.append(TimelineRow("allocator reserved,\nunallocated (GiB)", ALLOC_UNALLOCATED, None, float(1 << 30)))
+    return rows
+
+
 def _timeline(path: Path, baseline: Any, guarded: Any) -> None:
     # matplotlib takes a second to import: only when a report is drawn
     import matplotlib
@@ -55,13 +92,15 @@ def _timeline(path: Path, baseline: Any, guarded: Any) -> None:
     if max(len(baseline.series), len(guarded.series)) > SMALL_FLEET:
         _heatmaps(plt, path, baseline, guarded)
         return
-    fig, axes = plt.subplots(len(ROWS), 2, figsize=(13, 8), sharex=True, squeeze=False)
+    rows = timeline_rows(baseline, guarded)
+    fig, axes = plt.subplots(len(rows), 2, figsize=(13, 2.7 * len(rows)), sharex=True, squeeze=False)
     for col, run in enumerate((baseline, guarded)):
-        for row, (_, index, label) in enumerate(ROWS):
+        for row, spec in enumerate(rows):
             ax = axes[row][col]
             for node, points in sorted(run.series.items()):
                 ts = [p[0] / 60 for p in points]
-                ax.plot(ts, [p[index] for p in points], lw=0.8, label=node.split("/")[-1])
+                ax.plot(ts, [(p[spec.index] if len(p) > spec.index else 0) / spec.scale for p in points], lw=0.8,
+                        label=node.split("/")[-1])
                 ooms = run.oom_times.get(node, [])
                 if ooms and row == 0:
                     ax.plot([t / 60 for t in ooms], [1.02] * len(ooms), "rx", ms=6)
@@ -73,12 +112,10 @@ def _timeline(path: Path, baseline: Any, guarded: Any) -> None:
                 sent = sum(len(v) for v in _all_commands(run))
                 ax.set_title(f"{'baseline engine' if col == 0 else 'kvguard closed loop'} "
                              f"({total} ticks with an OOM, x; {sent} commands, |)", fontsize=10)
-                ax.axhline(U_KV_CRITICAL, color="red", lw=0.6, ls=":")
-            if index == 2:
-                ax.axhline(F_EXT_TRIGGER, color="grey", lw=0.6, ls=":")
-            if index == 3:
-                ax.axhline(1.0, color="grey", lw=0.6, ls="--")
-            ax.set_ylabel(label)
+                ax.axhline(spec.line, color="red", lw=0.6, ls=":")
+            elif spec.line is not None:
+                ax.axhline(spec.line, color="grey", lw=0.6, ls=spec.style)
+            ax.set_ylabel(spec.label, **({"fontsize": 8} if "\n" in spec.label else {}))
             ax.grid(alpha=0.3)
         axes[-1][col].set_xlabel("simulated minutes")
     axes[0][0].legend(fontsize=7, loc="lower right")

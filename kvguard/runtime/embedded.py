@@ -20,6 +20,7 @@ from kvguard.bus.inproc import InprocBus
 from kvguard.contracts.commands import AckOutcome
 from kvguard.contracts.units import NS_PER_S
 from kvguard.ops.static_sweep import tuned_knobs
+from kvguard.policy.budget import fragmented_f_ext
 from kvguard.producers.sim.profiles import load_profile, prompt_cap_tokens
 from kvguard.producers.sim.registry import engine_kind
 from kvguard.producers.sim.workloads import load_workload
@@ -46,11 +47,29 @@ class RunResult:
 
     label: str
     summary: dict
-    series: dict[str, list[tuple]] = field(default_factory=dict)  # node -> (ts_s, u_kv, f_ext, psi, p_oom)
+    series: dict[str, list[tuple]] = field(default_factory=dict)  # node -> ``series_point``s
     oom_times: dict[str, list[float]] = field(default_factory=dict)
     actions: dict[str, Counter] = field(default_factory=dict)
     commands: dict[str, list[tuple[float, str]]] = field(default_factory=dict)  # node -> (ts_s, action) executed
     wall_seconds: float = 0.0
+
+
+# a RunResult's series point: the tick's time and levels, both layers' fragmentation (the caching
+# allocator's F_ext and its reserved-but-unallocated bytes: on uniform-block engines the KV layer's
+# F_ext is 0 by construction, the fragmentation is the allocator's) and the prediction
+SERIES_FIELDS = ("ts_s", "u_kv", "f_ext", "psi", "p_oom", "alloc_f_ext", "alloc_unallocated_bytes",
+                 "alloc_reserved_bytes")
+
+
+def series_point(tick: Any) -> tuple:
+    """One tick as a ``RunResult.series`` point, in ``SERIES_FIELDS`` order."""
+    return (tick.ts_ns / NS_PER_S, tick.u_kv, tick.f_ext, tick.psi, tick.p_oom, tick.alloc_f_ext,
+            max(0, tick.alloc_reserved_bytes - tick.alloc_allocated_bytes), tick.alloc_reserved_bytes)
+
+
+def budget_f_ext(point: tuple) -> float:
+    """The F_ext a series point debits from the fragmentation budget (``policy.budget.fragmented_f_ext``)."""
+    return fragmented_f_ext(point[2], *point[5:6], *point[7:8])
 
 
 def static_arms(graph: Any, profile_name: str | None, node_config: Any = None) -> dict[str, Any]:
@@ -119,8 +138,7 @@ async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: fl
         for alert in alerts:
             (alerts_firing[alert.node].add if alert.state == "firing" else alerts_firing[alert.node].discard)(alert.rule)
         for tick in ticks:
-            result.series.setdefault(tick.node, []).append(
-                (tick.ts_ns / NS_PER_S, tick.u_kv, tick.f_ext, tick.psi, tick.p_oom))
+            result.series.setdefault(tick.node, []).append(series_point(tick))
             if tick.ooms:
                 result.oom_times.setdefault(tick.node, []).append(tick.ts_ns / NS_PER_S)
             if service is not None:

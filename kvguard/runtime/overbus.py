@@ -20,7 +20,7 @@ from kvguard.bus.kafka import client_kwargs, create_topics
 from kvguard.contracts.tick import Tick
 from kvguard.contracts.units import NS_PER_S
 from kvguard.runtime.bootstrap import make_bus
-from kvguard.runtime.embedded import RunResult
+from kvguard.runtime.embedded import RunResult, series_point
 from kvguard.runtime.node import run_node
 from kvguard.streams.embedded import StreamsService
 
@@ -57,8 +57,7 @@ async def run_over_bus(graph: Any, workload: Any, *, bus: str, n_gpus: int, dura
         last_ts = {"ns": 0}
 
         def observe(tick: Tick):
-            result.series.setdefault(tick.node, []).append(
-                (tick.ts_ns / NS_PER_S, tick.u_kv, tick.f_ext, tick.psi, tick.p_oom))
+            result.series.setdefault(tick.node, []).append(series_point(tick))
             if tick.ooms:
                 result.oom_times.setdefault(tick.node, []).append(tick.ts_ns / NS_PER_S)
             last_ts["ns"] = max(last_ts["ns"], tick.ts_ns)

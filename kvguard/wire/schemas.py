@@ -28,9 +28,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import uuid
+from dataclasses import MISSING
 from dataclasses import fields as dataclass_fields
 from datetime import datetime, timezone
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, get_type_hints
 
 import numpy as np
 import orjson
@@ -41,6 +42,7 @@ from pydantic import (
     Field,
     PlainValidator,
     ValidationError,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -48,7 +50,7 @@ from pydantic import (
 from kvguard.contracts.commands import COMMAND_MAJOR, COMMAND_SCHEMA, PAYLOADS, CommandError
 from kvguard.contracts.events import COLUMNS, EVENT_DTYPE, EventBatch, Geometry, PoolState
 from kvguard.contracts.node_id import node_id_problem
-from kvguard.contracts.tick import SINCE_OOM_CAP_S, Tick
+from kvguard.contracts.tick import Tick, tick_group
 from kvguard.contracts.tick import Candidate as TickCandidate
 from kvguard.contracts.units import DEFAULT_PRIORITY
 from kvguard.wire.validate import DEFAULT_LIMITS, InvalidRecord, WireLimits, check_batch_fields, check_tick_values
@@ -292,10 +294,13 @@ class Candidate(BaseModel):
     shared_units: int = 0
     prompt_tokens: int = 0
     last_ts_ns: int = 0
+    generated_tokens: int | None = Field(None, ge=0)  # None: not known to the sender
 
 
-class MetricTick(WireModel):
-    """One tick of one node's pressure metrics on ``kvguard.metrics`` (docs/ARCHITECTURE.md, "Metrics")."""
+class _MetricTickDeclared(WireModel):
+    """The fields of ``MetricTick`` whose wire contract differs from the core's ``Tick``: a bounded
+    node id, required levels, bounds, the wire's own ``utilization`` and candidate types. Every other
+    field is derived from the ``Tick`` dataclass (``_derived_tick_fields``)."""
 
     node: NodeId
     ts_ns: int
@@ -306,63 +311,11 @@ class MetricTick(WireModel):
     f_ext: float
     f_int: float
     psi: float
-    slope_per_min: float = 0.0
     # utilization split as fractions of device memory: weights, workspace, kv_live, kv_cached,
-    # reserved, free (keys may grow in later minor versions)
+    # reserved, free (keys may grow in later minor versions); wire only (the Tick has util_* fields)
     utilization: dict[str, float] = Field(default_factory=dict)
-    pages_per_request_p50: float = 0.0
-    pages_per_request_p95: float = 0.0
-    pages_per_request_p99: float = 0.0
-    alloc_fail_per_s: float = 0.0
-    evicted_pages: int = 0
-    evicted_requests: int = 0
-    evicted_tokens: int = 0
-    preemptions: int = 0
-    ooms: int = 0
-    requests_running: int = 0
-    tokens_per_s: float = 0.0
-    arrivals: int = 0
-    largest_free_run_units: int = 0
-    free_units: int = 0
-    # the core Tick's other fields (kvguard.contracts.tick.Tick), carried so readers can rebuild it
-    tick_s: float = 0.0
-    synced: bool = True
-    live_units: int = 0
-    cached_units: int = 0
-    retained_units: int = 0
-    workspace_units: int = 0
-    n_free_runs: int = 0
-    dynamic_units: int = 0
-    tokens_stored: int = 0
-    util_weights: float = 0.0
-    util_kv_live: float = 0.0
-    util_kv_cached: float = 0.0
-    util_workspace: float = 0.0
-    util_free: float = 0.0
-    util_headroom: float = 0.0
-    util_reserved: float = 0.0
-    reserved_frac: float = 0.0
-    requests_holding_pages: int = 0
-    finished: int = 0
-    alloc_failures: int = 0
-    decode_tokens_per_s: float = 0.0
-    events: int = 0
-    p_oom: float | None = None
-    u_kv_forecast: list[float] | None = None
+    synced: bool = True  # a record from before the field was synced
     candidates: list[Candidate] = Field(default_factory=list)
-    requests_waiting: int = 0
-    s_since_oom: float = SINCE_OOM_CAP_S
-    alloc_reserved_bytes: int = 0
-    alloc_allocated_bytes: int = 0
-    alloc_inactive_split_bytes: int = 0
-    alloc_largest_free_block_bytes: int = 0
-    alloc_f_ext: float = 0.0
-    alloc_segments: int = 0
-    alloc_retries: int = 0
-    util_activation: float = 0.0
-    util_reserved_unused: float = 0.0
-    partial: bool = False
-    unit_bytes: int = 0
     logprob_requests_pending: int = Field(0, ge=0)
     logprob_prompt_tokens_pending: int = Field(0, ge=0)
     late_events: int = Field(0, ge=0)
@@ -376,6 +329,44 @@ class MetricTick(WireModel):
         values = {f.name: getattr(self, f.name) for f in dataclass_fields(Tick) if f.name in type(self).model_fields}
         values["candidates"] = [TickCandidate(**c.model_dump()) for c in self.candidates]
         return Tick(**values)
+
+
+# what a record from before a field was added carries for it (the Tick field has no default)
+_ZERO: dict[Any, Any] = {int: 0, float: 0.0, bool: False, str: ""}
+
+
+def _derived_tick_fields(declared: type[WireModel], tick: type = Tick) -> dict[str, Any]:
+    """Every ``tick`` field ``declared`` does not declare, with the dataclass's type, its default (or
+    the type's zero: a record from before the field) and its group (``TICK_GROUPS``) in the JSON schema."""
+    hints = get_type_hints(tick)
+    out: dict[str, Any] = {}
+    for f in dataclass_fields(tick):
+        if f.name in declared.model_fields:
+            continue
+        kind = hints[f.name]
+        extra = {"group": tick_group(f.name)}
+        if f.default is not MISSING:
+            out[f.name] = (kind, Field(f.default, json_schema_extra=extra))
+        elif f.default_factory is not MISSING:
+            out[f.name] = (kind, Field(default_factory=f.default_factory, json_schema_extra=extra))
+        elif kind in _ZERO:
+            out[f.name] = (kind, Field(_ZERO[kind], json_schema_extra=extra))
+        else:
+            raise TypeError(f"Tick.{f.name}: no wire default for {kind!r}; declare it in _MetricTickDeclared")
+    return out
+
+
+# One tick of one node's pressure metrics on ``kvguard.metrics`` (docs/ARCHITECTURE.md, "Metrics"):
+# derived from ``kvguard.contracts.tick.Tick``, so a field added there travels on the bus without
+# another list to keep (tests/unit/wire/test_tick_parity.py checks both ways).
+MetricTick = create_model(
+    "MetricTick",
+    __base__=_MetricTickDeclared,
+    __module__=__name__,
+    __doc__="One tick of one node's pressure metrics on ``kvguard.metrics`` (docs/ARCHITECTURE.md, \"Metrics\"); "
+            "the fields of ``kvguard.contracts.tick.Tick`` (derived), some with wire bounds.",
+    **_derived_tick_fields(_MetricTickDeclared),
+)
 
 
 class Alert(WireModel):

@@ -21,7 +21,7 @@ seen on any node within ``prompt_horizon_s`` (from the candidates' ``prompt_toke
 workspace to spare. The size is learnt from the traffic, not from a constant. This part of the hold
 is not released on calm ticks (only when the prompt ages out of the horizon): the burst it guards
 against lands on a calm node within one tick, and on a calm node it costs nothing, since admission
-only feels it once the node is past the hold (docs/RESULTS.md, "Policy guards").
+only feels it once the node is past the hold (docs/RESULTS.md, "Figures moved from module docstrings").
 
 State: per node the units held and when they were sent, and the calm-tick count (both dropped when
 the node restarts: its fresh engine holds nothing); fleet-wide the largest prompt per minute of

@@ -105,3 +105,19 @@ def test_demo_over_kafka_records_in_redis_and_deletes_its_topics(kafka_bootstrap
             await admin.close()
 
     assert [t for t in asyncio.run(topics()) if t.startswith(kv["topic_prefix"])] == []
+
+
+def test_on_vllm_the_budget_debits_the_caching_allocators_fragmentation(redis_url):
+    """On uniform vLLM blocks the KV layer's F_ext is 0 by construction: the budget debits the layer where
+    fragmentation exists, the caching allocator's (issue 20), so `kvguard budget status` lists the nodes."""
+    out = kvguard("demo", "--duration", "2m", "--gpus", "1", "--no-lstm", "--no-arms", "--redis", redis_url, "--json",
+                  "--no-report", timeout=200)
+    assert out.returncode == 0, out.stderr.decode()[-3000:]
+    run = json.loads(out.stdout)
+    assert run["profile"].startswith("llama3-8b-24gb-vllm")
+    expected = {node: t["over_threshold_s"] for node, t in run["ledger"]["ticks"].items()}
+    assert set(expected) == set(run["nodes"]) and all(s > 0 for s in expected.values())
+    status = kvguard("budget", "status", "--redis", redis_url, "--json", timeout=60)
+    assert status.returncode == 0, status.stderr.decode()
+    used = {row["node"]: row["used_s"] for row in json.loads(status.stdout)["nodes"] if row["node"] in run["nodes"]}
+    assert used == expected

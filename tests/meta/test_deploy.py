@@ -337,3 +337,18 @@ def test_every_dashboard_query_is_valid_promql(tmp_path):
     done = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60,
                           check=False)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_f_ext_panel_draws_the_caching_allocators_fragmentation_labelled_as_such():
+    """On uniform-block engines (vLLM) the KV layer's F_ext is 0 by construction: the F_ext panel also
+    draws the allocator's F_ext and its reserved-but-unallocated bytes (issue 20), each named by its layer."""
+    panel = rows()[0][1][0]
+    legends = {t["legendFormat"]: t["expr"] for t in panel["targets"]}
+    assert "kvguard_f_ext" in legends["{{node}} KV layer"]
+    assert "kvguard_allocator_f_ext" in legends["{{node}} caching allocator"]
+    unallocated = legends["{{node}} allocator reserved but unallocated"]
+    assert "kvguard_allocator_reserved_bytes" in unallocated and "- kvguard_allocator_allocated_bytes" in unallocated
+    bytes_axis = [o for o in panel["fieldConfig"]["overrides"]
+                  if {"id": "unit", "value": "bytes"} in o["properties"]]
+    ref = next(t["refId"] for t in panel["targets"] if "reserved_bytes" in t["expr"])
+    assert [o["matcher"] for o in bytes_axis] == [{"id": "byFrameRefID", "options": ref}]

@@ -137,3 +137,21 @@ def test_simulate_runs_a_traffic_mix():
                                       "--traffic", "prompt_logprobs:0.5", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["prompt_logprobs_frac"] == 0.5
+
+
+def test_help_is_readable_at_80_columns():
+    """Every flag whole (rich's table truncated them: `--gpu-memory-uti…`), no line past the terminal,
+    the panels kept; a wide terminal keeps the rich panels."""
+    narrow = CliRunner().invoke(app, ["plan", "--help"], env={"COLUMNS": "80"})
+    assert narrow.exit_code == 0
+    lines = narrow.output.splitlines()
+    assert max(len(line) for line in lines) <= 80 and "…" not in narrow.output
+    command = get_command(app).commands["plan"]
+    flags = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
+    shown = {word.rstrip(",") for line in lines for word in line.split() if word.startswith("-")}
+    assert flags <= shown, sorted(flags - shown)
+    for panel in ("Model and GPU:", "vLLM engine flags (vLLM 0.33's names and defaults):", "Traffic and output:"):
+        assert panel in lines
+    assert "CLASS[:SHARE][@SHAPE]" in narrow.output  # not eaten as markup
+    wide = CliRunner().invoke(app, ["plan", "--help"], env={"COLUMNS": "140"})
+    assert "╭─ Model and GPU" in wide.output and "CLASS[:SHARE][@SHAPE]" in wide.output

@@ -262,3 +262,26 @@ def test_budget_alert_maps_onto_the_wire_alert():
         "FragmentationBudgetExhausted", "gpu0", "critical", 20.0, 20.0)
     assert wire.labels == {"cluster": "eu-1", "week": "2026-W48", "rca_required": "true"}
     assert wire.annotations["top_intervals"] == f"{start // NS_PER_S}:20s"
+
+
+# ---- the layer that fragments (issue 20) -------------------------------------------------------------
+
+
+def test_the_budget_debits_the_caching_allocators_f_ext_where_the_kv_layer_cannot_fragment():
+    from dataclasses import replace
+
+    from kvguard.policy.budget import fragmented_f_ext, tick_week
+    from tests.unit.policy.test_planner import tick_record
+
+    ledger = MemoryBudgetLedger(BudgetConfig(threshold=0.5))
+    # a uniform-block (vLLM) node: the KV layer's F_ext is 0, the caching allocator's is not
+    uniform = replace(tick_record(600, epoch=0, f_ext=0.0, alloc_f_ext=0.76, alloc_reserved_bytes=1 << 30),
+                      node="vllm/gpu0")
+    assert ledger.debit_tick(uniform, tick_s=10.0).counted
+    assert [n.node for n in ledger.status(tick_week(uniform.ts_ns)).nodes] == ["vllm/gpu0"]
+    # no allocator layer reported: its F_ext field means nothing, the KV layer's is debited
+    no_layer = replace(uniform, node="seed/gpu0", alloc_reserved_bytes=0)
+    assert not ledger.debit_tick(no_layer, tick_s=10.0).counted
+    assert ledger.debit_tick(replace(no_layer, f_ext=0.6), tick_s=10.0).counted
+    assert fragmented_f_ext(0.7, 0.2, 1 << 30) == 0.7 and fragmented_f_ext(0.1, 0.6, 0) == 0.1
+    assert math.isnan(fragmented_f_ext(float("nan")))
