@@ -193,6 +193,8 @@ TICK_GROUPS: dict[str, tuple[str, ...]] = {
                  "logprob_prompt_tokens_pending"),
     # the predictor's outputs (``with_prediction``)
     "prediction": ("p_oom", "u_kv_forecast"),
+    # the node's admission gate (issue 29): the router series; None without a gate
+    "admission": ("endpoint_admit", "endpoint_saturation", "endpoint_queue_delay_s"),
 }
 _GROUP_OF = {name: group for group, names in TICK_GROUPS.items() for name in names}
 
