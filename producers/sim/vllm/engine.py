@@ -44,7 +44,11 @@ Divergences from vLLM 0.33 / PyTorch (besides those of the modules named above):
   (recompute: v1 has no swap), whatever handling was asked; ``set_admission_headroom`` raises
   vLLM's watermark (blocks kept free when a waiting request is admitted).
 - Priorities: kvguard's 0-10 (higher is more important) become vLLM's ``10 - p`` (lower is served
-  first); they matter only with the ``priority`` policy (vLLM's default is ``fcfs``).
+  first, ``producers.admission.vllm_priority``); they matter only with the ``priority`` policy (vLLM's
+  default is ``fcfs``).
+- Not vLLM: with ``VllmEngineConfig.admission`` kvguard's admission gate (``sim.vllm.admission_gate``)
+  decides each arrival vLLM would take, before ``add_request``: admitted, held outside the scheduler,
+  or refused (FINISH ``Outcome.REFUSED``, retryable, counted in ``refused``).
 - Prompts longer than ``max_model_len`` (or equal to it, or empty) are rejected at arrival and counted
   by reason, as vLLM's input processor does; nothing is truncated.
 - Events (``producers.sim.vllm.kv``): one unit per usable block (block ``b`` is offset ``b - 1``:
