@@ -18,8 +18,9 @@ engine runs (least squares over a window), so the delay predictions use this GPU
 ``kvguard_endpoint_queue_delay_seconds`` (the exporter's names, ``kvguard.ops.exporter.TICK_GAUGES``) as a
 prometheus_client collector, so a router scraping the pod reads them (deploy/llm-d/epp-config.yaml).
 
-Served with ``KVGUARD_ENDPOINT_METRICS_PORT`` set (``producers.vllm.plugin``). The length model starts at
-each request's ``max_tokens`` and the step timer at its prior (the plugin does not feed them yet).
+Served with ``KVGUARD_ENDPOINT_METRICS_PORT`` set (``producers.vllm.plugin``); the plugin's hooks feed the
+step timer (the time from ``schedule()`` returning to ``update_from_output``: the model step) and the
+length model (each completed request's output tokens, by priority).
 
 What this does not do on a real vLLM: refuse. vLLM's own refusals (``--max-num-queued-reqs`` ->
 ``QueueOverflowError``, 503) are raised in the API server's ``AsyncLLM.check_admission``, a process the

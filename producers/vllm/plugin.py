@@ -174,10 +174,11 @@ class VllmPlugin:
             self.actions.logprobs_bytes_per_token = prompt_logprobs_bytes(scheduler)
         self.memory = CudaMemoryObserver(self.translator, torch, stats_every_ms=self.config.cuda_stats_every_ms,
                                          segments_every_s=self.config.cuda_segments_every_s)
-        self.attachment = Attachment(scheduler, self.translator, actions=self.actions, memory=self.memory)
+        self.admission = VllmAdmission(scheduler)  # the router series' model (issue 29)
+        self.attachment = Attachment(scheduler, self.translator, actions=self.actions, memory=self.memory,
+                                     admission=self.admission)
         self.scheduler = scheduler
         self.executor_engine = ExecutorEngine(self.node, self.actions)
-        self.admission = VllmAdmission(scheduler)  # the router series' model (issue 29)
         self.closed = False
 
     def attach(self) -> VllmPlugin:
