@@ -172,7 +172,7 @@ class Fleet:
 
         sim_s = max(e.now_ns for e in self.engines) / NS_PER_S
         return RunSummary(
-            requests=sum(s.requests for s in sims), completed=sum(s.completed for s in sims),
+            requests=sum(s.requests for s in sims) + self.shed, completed=sum(s.completed for s in sims),
             failed=sum(s.failed for s in sims), rejected=sum(s.rejected for s in sims),
             unfinished=sum(s.unfinished for s in sims), ooms=sum(s.ooms for s in sims),
             preemptions=sum(s.preemptions for s in sims), ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),

@@ -7,9 +7,11 @@ import pytest
 
 from kvguard.contracts.units import NS_PER_S
 from kvguard.producers.admission import Decision, Verdict, parse_priority_mix
+from kvguard.producers.sim.fleet import Fleet
+from kvguard.producers.sim.profiles import load_profile
 from kvguard.producers.sim.routing import LlmdUtilizationRouter, llmd_priority, route_by_admission
 from kvguard.producers.sim.run import DEFAULT_SLO, SloTargets, parse_goodput, slo_fields
-from kvguard.producers.sim.workloads import Request, Workload, with_priority_mix
+from kvguard.producers.sim.workloads import Request, Workload, load_workload, with_priority_mix
 
 
 def test_goodput_is_spelled_as_vllm_bench_serve_spells_it():
@@ -83,3 +85,17 @@ def test_kvguards_router_filters_on_the_admit_bit_then_picks_the_least_loaded():
     assert route_by_admission([_Gated(0, 0.9, 5.0, 10), _Gated(1, 0.5, 0.1, 900), _Gated(1, 0.6, 0.2, 500)], r) == 2
     assert route_by_admission([_Gated(0, 0.9, 5.0, 10), _Gated(0, 0.7, 9.0, 900)], r) == 1  # none admits
     assert route_by_admission([_Gated(1, 0.1, 0.1, 10, up=False), _Gated(1, 0.5, 0.1, 900)], r) == 1  # down
+
+
+def test_requests_the_llmd_baseline_sheds_are_counted_as_refused_misses():
+    wl = with_priority_mix(load_workload("azure-conv", rate_scale=3.0, window=40.0, seed=0),
+                           parse_priority_mix("9:0.1,5:0.6,1:0.3"), seed=0)
+    fleet = Fleet(1, load_profile("llama3-8b-24gb-vllm"), router="llmd_utilization")
+    fleet.submit_workload(wl)
+    for _ in fleet.steps(40 * NS_PER_S, step_ns=10 * NS_PER_S, drain=True, drain_cap_ns=400 * NS_PER_S):
+        pass
+    s = fleet.summary()
+    assert fleet.shed > 0 and s.refused == fleet.shed
+    assert set(fleet.shed_by_priority) <= {1}  # only llm-d's sheddable class (priority < 5)
+    assert s.requests == len(wl.requests)
+    assert s.completed + s.failed + s.rejected + s.refused + s.unfinished == s.requests
