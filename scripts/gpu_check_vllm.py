@@ -10,7 +10,10 @@ Compared, per engine step and at the end:
 - memory: each step's transient peak (``max_memory_allocated`` after ``reset_peak_memory_stats`` at the start
   of the step, minus what was allocated then) against the step-memory twin's ``step_plan(...).peak_bytes``
   for the same token and sequence counts (``producers.vllm.step_memory``, eager mode); the mirror's allocator
-  layer (the plugin's segment rows) against ``memory_stats`` and a ``_snapshot`` at the end.
+  layer (the plugin's segment rows) against ``memory_stats`` and a ``_snapshot`` at the end;
+- the step governor (``producers.vllm.plugin_governor``, on by default): its calibration's measured peak per step
+  against the plan's prediction (``governor.prediction_error`` histogram, the learned factor per step class,
+  the steps whose peak exceeded the prediction, with their shape).
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU, ``enforce_eager``, synchronous
 scheduling) so the check can read the scheduler and CUDA directly. Writes the snapshot pickle next to
 ``--out`` and prints one JSON object.
@@ -164,6 +167,12 @@ def main() -> None:
                       "snapshot_reserved_bytes": sum(s["total_size"] for s in segments),
                       "mirror_equals_snapshot": layer.reserved_bytes == sum(s["total_size"] for s in segments)},
         "step_wall_ms_p50": float(np.median([s["wall_ms"] for s in busy])), "cuda_observer": plugin.memory.status(),
+        # the step governor's own measurement (on by default): each step's allocator peak against its plan's
+        # prediction, the per-class correction it learned, the error histogram, steps above the prediction
+        "governor": plugin.status()["governor"],
+        "governor_exceeded": [{"tokens": sh.num_tokens, "seqs": sh.num_seqs, "predicted": p, "measured": m}
+                              for sh, p, m in list(plugin.actions.governor.calibration.exceeded)[:10]]
+        if plugin.actions.governor is not None else [],
         "snapshot_file": str(out_dir / "snapshot.pickle"),
     }, default=str))
 

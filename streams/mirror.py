@@ -57,6 +57,8 @@ _NO_WRITE = -1
 
 K = EventKind
 _N_KINDS = 32
+_GOVERN = int(EventKind.GOVERN)
+_F_GOV_REFUSED = 16  # producers.vllm.governor.F_GOV_REFUSED (a wing may not import another)
 
 
 def _table(values: dict[int, int], default: int = 0, dtype=np.int64) -> np.ndarray:
@@ -172,6 +174,7 @@ class AllocatorMirror:
         self._index_ids: np.ndarray | None = None
         self._index_slots = np.zeros(0, dtype=np.int64)
         self.kind_counts = np.zeros(_N_KINDS, dtype=np.int64)
+        self.never_fits_total = 0
         self.step_tokens_total = 0
         self.decode_tokens_total = 0
         self.evicted_tokens_total = 0
@@ -268,6 +271,8 @@ class AllocatorMirror:
         tokens = ev["tokens"]
         n = len(ev)
         self.kind_counts += np.bincount(kind, minlength=_N_KINDS)
+        if self.kind_counts[_GOVERN]:  # the step governor's refusals at arrival (GOVERN with F_GOV_REFUSED)
+            self.never_fits_total += int(np.count_nonzero((kind == _GOVERN) & (ev["flags"] & _F_GOV_REFUSED != 0)))
 
         delta = REF_DELTA[kind]
         ref_rows = _nonzero(delta)
@@ -562,6 +567,7 @@ class AllocatorMirror:
             "req_flags": self._flags[:n],
             "req_arrival": self._arrival[:n], "req_last_ts": self._last_ts[:n], "req_life": self._life[:n],
             "kind_counts": self.kind_counts.copy(), "scalars": scalars,
+            "never_fits": np.array([self.never_fits_total], dtype=np.int64),
             "allocator": np.frombuffer(json.dumps(self.allocator.to_dict()).encode(), dtype=np.uint8),
         }
 
@@ -586,6 +592,8 @@ class AllocatorMirror:
                             count=arrays["ref_req"].size)
         m._refs = np.sort(slots * m.units + arrays["ref_offset"])
         m.kind_counts[:] = arrays["kind_counts"]
+        if "never_fits" in arrays:  # checkpoints written before the step governor keep 0
+            m.never_fits_total = int(arrays["never_fits"][0])
         if "allocator" in arrays:  # checkpoints from before the allocator layer have none
             m.allocator = AllocatorLayer.from_dict(json.loads(arrays["allocator"].tobytes().decode()))
         (m.tokens_stored, synced, m.drift_count, m.resync_count, m.unsynced_count, m.snapshot_checks,

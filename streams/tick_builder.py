@@ -41,6 +41,8 @@ class Counts(NamedTuple):
     evicted_tokens: int
     evicted_requests: int
     alloc_retries: int
+    governed: int = 0  # GOVERN rows: steps the step governor shrank, requests it refused
+    never_fits: int = 0  # requests the step governor refused at arrival (Outcome.NEVER_FITS)
 
     @classmethod
     def of(cls, values: list[int]) -> Counts:
@@ -57,7 +59,8 @@ class Counts(NamedTuple):
         kc = m.kind_counts
         return cls(int(kc[K.ARRIVE]), int(kc[K.FINISH]), int(kc[K.ALLOC_FAIL]), int(kc[K.EVICT]),
                    int(kc[K.PREEMPT]), int(kc[K.OOM]), int(m.step_tokens_total), int(m.decode_tokens_total),
-                   int(m.evicted_tokens_total), int(m.evicted_requests_total), int(kc[K.ALLOC_RETRY]))
+                   int(m.evicted_tokens_total), int(m.evicted_requests_total), int(kc[K.ALLOC_RETRY]),
+                   int(kc[K.GOVERN]), int(m.never_fits_total))
 
     def since(self, mark: Counts) -> Counts:
         return Counts(*(a - b for a, b in zip(self, mark)))
@@ -128,6 +131,7 @@ def build_tick(node: str, epoch: int, ts_ns: int, m: AllocatorMirror, table: Req
         alloc_reserved_bytes=am.reserved_bytes, alloc_allocated_bytes=am.allocated_bytes,
         alloc_inactive_split_bytes=am.inactive_split_bytes, alloc_largest_free_block_bytes=am.largest_free_block_bytes,
         alloc_f_ext=am.f_ext, alloc_segments=am.segments, alloc_retries=d.alloc_retries,
+        governed=d.governed, never_fits=d.never_fits,
         util_activation=am.allocated_bytes / total,
         util_reserved_unused=(am.reserved_bytes - am.allocated_bytes) / total, unit_bytes=ub,
         logprob_requests_pending=int(logprobs.sum()), logprob_prompt_tokens_pending=logprob_tokens,

@@ -139,6 +139,7 @@ def _print_comparison(result: dict, console) -> None:
         console.print(t)
         for name, arm in arms.items():
             console.print(f"  [dim]{name}: {arm['config']}[/dim]")
+        _print_governor(result, console)
         return
     t = Table(title="kvguard demo: baseline vs closed loop (same workload, same seed)")
     t.add_column("metric")
@@ -151,6 +152,14 @@ def _print_comparison(result: dict, console) -> None:
     console.print(f"OOM reduction {_pct(result['oom_reduction'])} · preemption reduction "
                   f"{_pct(result['preemption_reduction'])} · goodput ×{result['goodput_ratio']} · "
                   f"TTFT p99 ×{result['ttft_p99_ratio']}")
+
+
+def _print_governor(result: dict, console) -> None:
+    gov = result.get("governor")
+    if gov:
+        console.print(f"step governor (kvguard arm): {gov['steps_governed']} steps shrunk "
+                      f"{gov['by_cause'] or ''}, {gov['cache_releases']} cache releases, "
+                      f"{gov['never_fits']} requests refused as never fitting (^ on the report's timeline)")
 
 
 def _pct(x: float | None) -> str:
@@ -279,9 +288,10 @@ def demo(
     result["profile"] = graph.profile.name
     described = {"vllm_default": "vLLM's defaults", "tuned_static": "the best static knobs of the sweep on the "
                  "training workloads", "baseline": "the operator's knobs, no kvguard",
-                 "kvguard": "the operator's knobs with kvguard: the closed loop and, on vLLM, the node-side logprob guard"}
+                 "kvguard": "the operator's knobs with kvguard: the closed loop and, on vLLM, the node-side step governor"}
     runs = {**static_runs, "baseline": (baseline, graph.profile.name), "kvguard": (guarded, graph.profile.name)}
     result["arms"] = {name: arm_summary(run.summary, prof, described[name]) for name, (run, prof) in runs.items()}
+    result["governor"] = guarded.summary.get("governor")  # steps the step governor shrank (marked ^ on the timeline)
     result["prompt_logprobs_frac"] = prompt_logprobs_frac if kind.capabilities.prompt_logprobs else None
     result["mode"] = "kafka" if bus else "embedded"
     result["run_id"] = run_id

@@ -159,8 +159,11 @@ def simulate(
         0.0, "--prompt-logprobs-frac", help="vLLM profiles: share of requests asking for prompt logprobs "
                                             "(echo + logprobs, as eval harnesses send; vllm#5907)."),
     logprobs_guard: bool = typer.Option(
-        False, "--logprobs-guard", help="vLLM profiles: kvguard's node-side guard that sizes each step so the "
-                                        "logits of prompt-logprob requests fit the allocator's headroom."),
+        False, "--governor", "--logprobs-guard",
+        help="vLLM profiles: kvguard's step governor, node side only (no closed loop): each step shrunk so its "
+             "non-KV peak (prompt logprobs, long-context attention, speculative decoding) fits what the "
+             "allocator can still give; requests that can never fit refused at arrival. --logprobs-guard is "
+             "its old name."),
     # -- your model, GPU and `vllm serve` flags (shared with `kvguard plan`: kvguard/cli/engine_flags.py)
     model_config: str = flags_.MODEL_CONFIG,
     gpu: str = flags_.GPU,

@@ -54,6 +54,16 @@ BLK_ALLOC     -      block addr/bytes       requested bytes      cls=Pool, aux=s
 BLK_FREE      -      block addr/bytes       -                    cls=Pool, aux=segment addr; such a block freed
 ALLOC_RETRY   -      -/-                    -                    a malloc found no cached block and no device
                                                                    memory: cached blocks were released, retried
+GOVERN        req|-1 headroom/predicted     token budget set     the step governor (producers.vllm.governor) shrank
+                     bytes                                       the next step: cls=OomCause of the class that made
+                                                                   it not fit (PROMPT_LOGPROBS, LONG_CONTEXT,
+                                                                   SPEC_DECODE, else PEAK), flags=F_GOV_* (what it
+                                                                   did), aux=tokens taken off vLLM's budget (with
+                                                                   F_GOV_SEQS alone: sequences not admitted); offset =
+                                                                   bytes the allocator can give less the margin, size =
+                                                                   predicted peak of the unshrunk step. With
+                                                                   F_GOV_REFUSED: req refused at arrival (never fits;
+                                                                   its FINISH has Outcome.NEVER_FITS), size = its need
 ADMISSION     req    retry-after ms/        prompt tokens        cls=Decision (producers.admission: 1 held,
                      saturation x1000                              2 refused, 3 released), aux=predicted queueing
                                                                    delay ms; a refusal is then FINISH REFUSED
@@ -112,6 +122,7 @@ class EventKind(IntEnum):
     BLK_ALLOC = 25
     BLK_FREE = 26
     ALLOC_RETRY = 27
+    GOVERN = 28
     ADMISSION = 29  # the node's admission gate held, refused or released a request (issue 29)
 
 
@@ -156,6 +167,7 @@ class Outcome(IntEnum):
     REJECTED = 2  # could never fit (prompt larger than the pool), or the engine was down (restarting)
     ABORTED = 3  # cancelled by the caller or the policy
     REFUSED = 4  # refused at admission (overload), retryable: answered with Retry-After (issue 29)
+    NEVER_FITS = 5  # refused at arrival by the step governor: its smallest step can never fit this node
 
 
 class Handling(IntEnum):

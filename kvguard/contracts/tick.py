@@ -128,6 +128,8 @@ class Tick:
     alloc_f_ext: float = 0.0  # 1 - largest cached free block / cached free bytes
     alloc_segments: int = 0
     alloc_retries: int = 0  # in the interval: cached blocks were released and a malloc retried
+    governed: int = 0  # in the interval: GOVERN rows (steps the step governor shrank, requests it refused)
+    never_fits: int = 0  # in the interval: requests refused at arrival as never fitting (Outcome.NEVER_FITS)
     # the seed's utilization split, fractions of M: weights (util_weights), activation (allocated
     # non-KV bytes), kv (util_kv_live + util_kv_cached), reserved_but_unused (reserved - allocated)
     util_activation: float = 0.0
@@ -190,7 +192,7 @@ TICK_GROUPS: dict[str, tuple[str, ...]] = {
     "requests": ("requests_running", "requests_holding_pages", "requests_waiting", "arrivals", "finished",
                  "evicted_pages", "evicted_requests", "evicted_tokens", "preemptions", "ooms", "s_since_oom",
                  "tokens_per_s", "decode_tokens_per_s", "candidates", "logprob_requests_pending",
-                 "logprob_prompt_tokens_pending"),
+                 "logprob_prompt_tokens_pending", "governed", "never_fits"),
     # the predictor's outputs (``with_prediction``)
     "prediction": ("p_oom", "u_kv_forecast"),
     # the node's admission gate (issue 29): the router series; None without a gate

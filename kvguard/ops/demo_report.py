@@ -107,11 +107,16 @@ def _timeline(path: Path, baseline: Any, guarded: Any) -> None:
                 commands = _commands(run, node)
                 if commands and row == 0:
                     ax.plot([t / 60 for t, _ in commands], [-0.02] * len(commands), "k|", ms=7)
+                governed = getattr(run, "governed", {}).get(node, [])
+                if governed and row == 0:  # steps the step governor shrank to fit the allocator
+                    ax.plot([t / 60 for t in governed], [-0.06] * len(governed), "g^", ms=3)
             if row == 0:
                 total = sum(len(v) for v in run.oom_times.values())
                 sent = sum(len(v) for v in _all_commands(run))
+                shrunk = sum(len(v) for v in getattr(run, "governed", {}).values())
                 ax.set_title(f"{'baseline engine' if col == 0 else 'kvguard closed loop'} "
-                             f"({total} ticks with an OOM, x; {sent} commands, |)", fontsize=10)
+                             f"({total} ticks with an OOM, x; {sent} commands, |"
+                             + (f"; {shrunk} steps shrunk, ^" if shrunk else "") + ")", fontsize=10)
                 ax.axhline(spec.line, color="red", lw=0.6, ls=":")
             elif spec.line is not None:
                 ax.axhline(spec.line, color="grey", lw=0.6, ls=spec.style)

@@ -148,6 +148,10 @@ TICK_COUNTERS: dict[str, tuple[str, bool, str]] = {
     "kvguard_decode_tokens_total": ("decode_tokens_per_s", True, "Tokens decoded."),
     "kvguard_allocator_retries_total": ("alloc_retries", False, "Mallocs that found no memory, released the "
                                                               "allocator's cache and retried (the step before an OOM)."),
+    "kvguard_governor_decisions_total": ("governed", False, "Engine steps the step governor shrank to fit the "
+                                                          "allocator's headroom, and requests it refused."),
+    "kvguard_requests_never_fit_total": ("never_fits", False, "Requests refused at arrival because their smallest "
+                                                              "step can never fit the node (not retryable there)."),
 }
 OTHER_FAMILIES: dict[str, tuple[str, str]] = {
     "kvguard_tick_timestamp_seconds": ("gauge", "Event time of the newest tick shown for the node (seconds since "

@@ -23,6 +23,7 @@ from kvguard.ops.static_sweep import tuned_knobs
 from kvguard.policy.budget import fragmented_f_ext
 from kvguard.producers.sim.profiles import load_profile, prompt_cap_tokens
 from kvguard.producers.sim.registry import engine_kind
+from kvguard.producers.sim.vllm.governed import governor_summary
 from kvguard.producers.sim.workloads import load_workload, with_priority_mix
 from kvguard.runtime.bootstrap import make_ledger, make_slo_ledger
 from kvguard.streams.outputs import output_records
@@ -51,6 +52,7 @@ class RunResult:
     oom_times: dict[str, list[float]] = field(default_factory=dict)
     actions: dict[str, Counter] = field(default_factory=dict)
     commands: dict[str, list[tuple[float, str]]] = field(default_factory=dict)  # node -> (ts_s, action) executed
+    governed: dict[str, list[float]] = field(default_factory=dict)  # node -> times (s) the step governor shrank a step
     wall_seconds: float = 0.0
 
 
@@ -173,10 +175,23 @@ async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: fl
         slo.finish(end_ns)
     result.wall_seconds = round(time.perf_counter() - wall0, 3)
     result.actions = actions
+    result.governed = governed_times(fleet.engines)
     result.summary = run_summary(fleet, result, service, actuators, graph)
+    if result.governed or any(getattr(e, "governor", None) is not None for e in fleet.engines):
+        result.summary["governor"] = governor_summary(fleet.engines)
     if slo is not None:
         result.summary["kvguard"]["slo"] = slo.counters.as_dict()
     return result
+
+
+def governed_times(engines) -> dict[str, list[float]]:
+    """Per node, when the step governor shrank a step (its decisions; refusals are FINISH rows)."""
+    out = {}
+    for e in engines:
+        g = getattr(e, "governor", None)
+        if g is not None and g.decisions:
+            out[e.node] = [t / NS_PER_S for t, *_ in g.decisions]
+    return out
 
 
 def run_summary(fleet: Any, result: RunResult, service: Any, actuators: dict, graph: Any) -> dict:

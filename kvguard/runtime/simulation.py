@@ -23,6 +23,7 @@ from kvguard.producers.sim.registry import engine_kind
 from kvguard.producers.sim.run import DEFAULT_SLO
 from kvguard.producers.sim.vllm.admission_gate import admission_totals
 from kvguard.producers.sim.vllm.engine import RETRYABLE_REASONS
+from kvguard.producers.sim.vllm.governed import governor_summary
 from kvguard.producers.sim.workloads import load_workload, with_long_context, with_priority_mix
 from kvguard.runtime.bootstrap import bootstrap
 from kvguard.wire.eventlog import EventLogWriter
@@ -199,6 +200,7 @@ def _summary(fleet, profile, wl, wall, gpus, rate_scale, seed, events_out, knobs
                 "logprobs_guard": logprobs_guard})
     if logprobs_guard:
         out["logprobs_guard_steps"] = sum(e.logprobs_guard_steps for e in fleet.engines)
+        out["governor"] = governor_summary(fleet.engines)
     _per_gpu(out, fleet, profile)
     return out
 

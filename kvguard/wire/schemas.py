@@ -319,6 +319,8 @@ class _MetricTickDeclared(WireModel):
     logprob_requests_pending: int = Field(0, ge=0)
     logprob_prompt_tokens_pending: int = Field(0, ge=0)
     late_events: int = Field(0, ge=0)
+    governed: int = Field(0, ge=0)
+    never_fits: int = Field(0, ge=0)
     endpoint_admit: int | None = Field(None, ge=0, le=1)
     endpoint_saturation: float | None = Field(None, ge=0.0, le=1.0)
     endpoint_queue_delay_s: float | None = Field(None, ge=0.0)

@@ -28,12 +28,11 @@ or an internal the scheduler itself uses for the same purpose (named per action)
 - ``empty_cache()``: ``torch.cuda.empty_cache()`` when this process has initialised CUDA (the
   worker runs in the engine process: ``UniProcExecutor``, one GPU); otherwise a no-op that says so;
 - ``drain()`` / ``release()``: hold every admission until released; running requests finish;
-- the logprob guard (on unless ``KVGUARD_LOGPROBS_GUARD=0``): while a request whose
-  ``sampling_params.prompt_logprobs`` is set still has prompt tokens to compute, each ``schedule()``
-  starts from a token budget whose logits rows fit the CUDA headroom (``torch.cuda.mem_get_info``
-  free bytes plus reserved-but-unallocated ones, less a margin; two requests' rows can be live at
-  once, so half of it) — vLLM's own workaround for these OOMs (vllm#5424: bound the tokens per
-  batch), applied only while it is needed. Inert without CUDA in the process.
+- the step governor (on unless ``KVGUARD_GOVERNOR=0``; the logprob guard is one of its cases):
+  each ``schedule()`` starts from a token budget whose step's non-KV peak fits what the caching
+  allocator can still give, calibrated on the measured peaks of earlier steps
+  (``producers.vllm.plugin_governor``) — vLLM's own workarounds for these OOMs (vllm#5424: bound the
+  tokens per batch), applied only while needed. Inert without CUDA in the process.
 
 ``submit(fn)`` is the thread-safe way in (the command consumer's thread); ``before_schedule``
 runs what was submitted. ``ExecutorEngine`` is the engine port (``kvguard.contracts.engine``) kvguard's
@@ -55,7 +54,6 @@ from kvguard.contracts.dimensions import Granularity, HandlingChoice
 from kvguard.contracts.engine import Capabilities
 from kvguard.contracts.events import Handling
 from kvguard.contracts.pool_types import EvictResult, PageInfo, UnknownRequest
-from kvguard.producers.vllm.step_memory import logprobs_step_cap
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +106,11 @@ class VllmActions:
         self._saved_pause: Any = None
         self._saved_budget: int | None = None
         self._paused_new: Any = None
-        self.logprobs_bytes_per_token: int | None = None  # set by the plugin: the guard is on
+        self.logprobs_bytes_per_token: int | None = None  # set by the plugin: what one prompt-logprob position costs
         self.logprobs_margin_bytes = 256 << 20
-        self.logprobs_guard_steps = 0
+        self.logprobs_guard_steps = 0  # steps whose budget the step governor lowered (the guard's old count)
+        self.governor: Any = None  # set by the plugin: producers.vllm.plugin_governor.PluginGovernor
+        self._saved_active: int | None = None
 
     # ---------------------------------------------------------------- threading
     def submit(self, fn: Callable[[], Any]) -> None:
@@ -222,9 +222,8 @@ class VllmActions:
         if self.batch_cap is not None:
             self._saved_budget = sched.max_num_scheduled_tokens
             sched.max_num_scheduled_tokens = min(self._saved_budget, self.batch_cap)
-        if self.logprobs_bytes_per_token:
-            self._guard_logprobs(sched)
-        if self.hold_cap is None:
+        defer = self._govern(sched) if self.governor is not None else False
+        if self.hold_cap is None and not defer:
             return
         if self.hold_cap == 0:
             if self._paused_new is None:
@@ -233,27 +232,35 @@ class VllmActions:
             if int(self._saved_pause) == 0:  # only over UNPAUSED: vLLM's own pauses stay as they are
                 sched._pause_state = self._paused_new
             return
-        cap = self.hold_cap
+        cap = -1 if defer else self.hold_cap  # the governor defers the whole queue for this call
         waiting = sched.waiting
         self._order = {id(r): i for i, r in enumerate(waiting)}
         self._held = [r for r in waiting if r.num_prompt_tokens > cap]
         if self._held:
             waiting.remove_requests(self._held)
 
-    def _guard_logprobs(self, sched: Any) -> None:
-        torch = self.torch
-        if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
-            return  # inert without CUDA: no scan of the queues either
-        if not any(_prefills_prompt_logprobs(r) for r in sched.running) and \
-                not any(_prefills_prompt_logprobs(r) for r in sched.waiting):
-            return
-        headroom = self.cuda_headroom()
-        cap = logprobs_step_cap(headroom, self.logprobs_bytes_per_token, self.logprobs_margin_bytes)
-        if cap < sched.max_num_scheduled_tokens:
+    def _govern(self, sched: Any) -> bool:
+        """The step governor's budget for this call (producers.vllm.plugin_governor); True: hold the queue."""
+        budget, defer = self.governor.before_schedule(sched)
+        if budget is not None and budget < sched.max_num_scheduled_tokens:
             if self._saved_budget is None:
                 self._saved_budget = sched.max_num_scheduled_tokens
-            sched.max_num_scheduled_tokens = int(cap)
+            sched.max_num_scheduled_tokens = int(budget)
+        d = self.governor.last
+        if d is not None:
             self.logprobs_guard_steps += 1
+            if d.max_seqs and hasattr(sched, "max_num_active_reqs"):  # vLLM 0.33's admission limit
+                self._saved_active = sched.max_num_active_reqs
+                sched.max_num_active_reqs = min(sched.max_num_active_reqs, int(d.max_seqs))
+        return defer
+
+    def step_started(self, out: Any) -> None:
+        if self.governor is not None:
+            self.governor.step_started(out)
+
+    def step_finished(self) -> None:
+        if self.governor is not None:
+            self.governor.step_finished()
 
     def cuda_headroom(self) -> int | None:
         """Bytes a new allocation can still get: the device's free memory plus what the caching
@@ -269,6 +276,8 @@ class VllmActions:
         if self._saved_budget is not None:
             sched.max_num_scheduled_tokens = self._saved_budget
             self._saved_budget = None
+        if self._saved_active is not None:
+            sched.max_num_active_reqs, self._saved_active = self._saved_active, None
         if self._saved_pause is not None:
             sched._pause_state = self._saved_pause
             self._saved_pause = None

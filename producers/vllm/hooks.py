@@ -264,6 +264,7 @@ class Attachment:
                 tr.on_fill(out.total_num_scheduled_tokens)
                 if actions is not None:
                     actions.count_step(out.total_num_scheduled_tokens)
+                    actions.step_started(out)  # the step governor's prediction, the peak statistics reset
                 if self.admission is not None:
                     self._step_started = time.perf_counter()
                 return out
@@ -289,6 +290,8 @@ class Attachment:
                     self._step_started = 0.0
                 result = orig(scheduler_output, *args, **kwargs)
                 tr.on_step(scheduler_output.total_num_scheduled_tokens, decode)
+                if self.actions is not None:
+                    self.actions.step_finished()  # the step's measured peak into the governor's calibration
                 if self.memory is not None:
                     self.memory.sample()
                 tr.flush(self.block_truth() if self.snapshots and tr.snapshot_due() else None)

@@ -46,11 +46,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvguard.contracts.events import EventKind
 from kvguard.producers.sinks import make_sink, node_id_from_env, usable_node_id
 from kvguard.producers.torch_cuda import CudaMemoryObserver
 from kvguard.producers.vllm.actions import ExecutorEngine, VllmActions
 from kvguard.producers.vllm.admission import VllmAdmission, serve_endpoint_series
 from kvguard.producers.vllm.hooks import Attachment
+from kvguard.producers.vllm.plugin_governor import PluginGovernor
 from kvguard.producers.vllm.step_memory import prompt_logprobs_row_bytes
 from kvguard.producers.vllm.translator import BatchSink, VllmEventTranslator, geometry_for_blocks
 
@@ -92,7 +94,8 @@ class PluginConfig:
     snapshot_every_s: float = 60.0
     cuda_stats_every_ms: float = 100.0
     cuda_segments_every_s: float = 5.0
-    logprobs_guard: bool = True  # size steps so prompt-logprob logits fit the CUDA headroom (vllm_plugin_actions)
+    logprobs_guard: bool = True  # the step governor on (plugin_governor); the logprob guard is one of its cases
+    governor_margin_bytes: int = 256 << 20
     endpoint_metrics_port: int = 0  # > 0: serve kvguard's router series on this port (producers.vllm.admission)
 
     @classmethod
@@ -106,8 +109,9 @@ class PluginConfig:
                    snapshot_every_s=float(env.get("KVGUARD_SNAPSHOT_EVERY_S", 60.0)),
                    cuda_stats_every_ms=float(env.get("KVGUARD_CUDA_STATS_EVERY_MS", 100.0)),
                    cuda_segments_every_s=float(env.get("KVGUARD_CUDA_SEGMENTS_EVERY_S", 5.0)),
-                   logprobs_guard=env.get("KVGUARD_LOGPROBS_GUARD", "1").strip().lower() not in ("0", "false", "no",
-                                                                                                 "off"),
+                   logprobs_guard=all(env.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+                                      for name in ("KVGUARD_GOVERNOR", "KVGUARD_LOGPROBS_GUARD")),
+                   governor_margin_bytes=int(env.get("KVGUARD_GOVERNOR_MARGIN_BYTES", 256 << 20)),
                    endpoint_metrics_port=int(env.get("KVGUARD_ENDPOINT_METRICS_PORT", 0) or 0))
 
 
@@ -172,6 +176,8 @@ class VllmPlugin:
         self.actions = VllmActions(scheduler, self.translator, torch_module=torch)
         if self.config.logprobs_guard:
             self.actions.logprobs_bytes_per_token = prompt_logprobs_bytes(scheduler)
+            self.actions.governor = PluginGovernor(scheduler, torch, margin_bytes=self.config.governor_margin_bytes,
+                                                   emit=self._govern_row)
         self.memory = CudaMemoryObserver(self.translator, torch, stats_every_ms=self.config.cuda_stats_every_ms,
                                          segments_every_s=self.config.cuda_segments_every_s)
         self.admission = VllmAdmission(scheduler)  # the router series' model (issue 29)
@@ -180,6 +186,11 @@ class VllmPlugin:
         self.scheduler = scheduler
         self.executor_engine = ExecutorEngine(self.node, self.actions)
         self.closed = False
+
+    def _govern_row(self, d) -> None:
+        """The governor's decision as a GOVERN row (kvguard.contracts.events)."""
+        self.translator._row(int(EventKind.GOVERN), cls=int(d.cause), flags=int(d.flags), offset=int(d.headroom_bytes),
+                             size=int(d.predicted_bytes), tokens=int(d.budget), aux=int(d.tokens_removed))
 
     def attach(self) -> VllmPlugin:
         self.attachment.attach()
@@ -205,7 +216,8 @@ class VllmPlugin:
         return {"node": self.node, "epoch": self.translator.epoch, "batches": self.translator.seq,
                 "rows": self.translator.rows_total, "steps": self.translator.steps,
                 "blocks": self.geometry.dynamic_units, "cuda": self.memory.status(),
-                "sink": type(self.sink).__name__}
+                "sink": type(self.sink).__name__,
+                "governor": self.actions.governor.summary() if self.actions.governor is not None else None}
 
 
 _plugins: list[VllmPlugin] = []

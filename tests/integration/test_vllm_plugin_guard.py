@@ -38,6 +38,19 @@ class CudaHeadroom:
     def memory_allocated(self) -> int:
         return (20 << 30) - self.cached
 
+    def memory_stats(self) -> dict:
+        return {"reserved_bytes.all.current": self.memory_reserved(),
+                "allocated_bytes.all.current": self.memory_allocated(), "inactive_split_bytes.all.current": 0}
+
+    def empty_cache(self) -> None:
+        pass
+
+    def reset_peak_memory_stats(self) -> None:
+        pass
+
+    def max_memory_allocated(self) -> int:
+        return self.memory_allocated()
+
 
 class FakeTorch:
     def __init__(self, free: int, cached: int) -> None:
@@ -57,7 +70,7 @@ def add(rig: Rig, request_id: str, prompt_tokens: int, *, prompt_logprobs: int |
 
 def guarded_rig(free: int, cached: int) -> Rig:
     rig = Rig(600)
-    rig.actions.torch = FakeTorch(free, cached)
+    rig.actions.torch = rig.actions.governor.torch = FakeTorch(free, cached)
     return rig
 
 
@@ -73,17 +86,24 @@ def test_the_plugin_knows_what_a_prompt_logprob_position_costs_for_the_served_mo
 
 
 def test_a_prompt_logprob_request_prefills_in_steps_that_fit_the_headroom_and_vllms_budget_comes_back():
+    """The guard is the step governor's prompt-logprob case: each chunk's planned peak (step_memory's plan
+    for the served model) fits the headroom less the margin, and vLLM's budget is back outside schedule()."""
+    from kvguard.producers.vllm.governor import StepShape
+
     rig = guarded_rig(free=400 * MiB, cached=200 * MiB)
-    per_token = rig.actions.logprobs_bytes_per_token
-    cap = (600 * MiB - rig.actions.logprobs_margin_bytes) // (2 * per_token)
-    assert 16 < cap < 2048
+    gov = rig.actions.governor
+    avail = 600 * MiB - gov.governor.margin_bytes
     add(rig, "eval", 3000, prompt_logprobs=1)
     steps = []
     while "eval" in rig.sched.requests and rig.sched.requests["eval"].num_computed_tokens < 3000:
         steps.append(rig.step().get("eval", 0))
         assert rig.sched.max_num_scheduled_tokens == 2048  # vLLM's own budget outside schedule()
-    assert steps and max(steps) <= cap and sum(steps) == 3000
-    assert rig.actions.logprobs_guard_steps == len(steps)
+    assert steps and max(steps) < 2048 and sum(steps) == 3000
+    assert all(gov.governor.raw_peak(StepShape(n, 1, n, n, 3000)) <= avail for n in steps)
+    assert gov.governor.raw_peak(StepShape(2048, 1, 2048, 2048, 3000)) > avail  # vLLM's budget would not fit
+    assert rig.actions.logprobs_guard_steps == 1  # the first chunk; the rest fits vLLM's budget as it is
+    off = PluginConfig.from_env({"KVGUARD_GOVERNOR": "0"})
+    assert off.logprobs_guard is False
     rig.check_equal()
 
 

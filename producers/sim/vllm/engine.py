@@ -94,13 +94,14 @@ from kvguard.producers.admission import AdmissionConfig, vllm_priority
 from kvguard.producers.sim.vllm.admission_gate import ShadowGate
 from kvguard.producers.sim.vllm.external import Leak, Neighbour
 from kvguard.producers.sim.vllm.fused import fused_decode
+from kvguard.producers.sim.vllm.governed import REJECTED_NEVER_FITS, SimGovernor
 from kvguard.producers.sim.vllm.kv import BlockPoolView, EngineScheduler, EventRecorder
 from kvguard.producers.sim.vllm.kv_blocks import prompt_block_keys
 from kvguard.producers.sim.vllm.memory import StartupRefused, StepOOM, WorkerMemory
 from kvguard.producers.sim.vllm.scheduler import VLLM_VERSION_FOLLOWED, SchedulerConfig, SeqStatus
 from kvguard.producers.sim.workloads import HASH_BLOCK_TOKENS, Request, mix_hash
 from kvguard.producers.vllm.actions import VLLM_CAPABILITIES
-from kvguard.producers.vllm.step_memory import Batch, logprobs_step_cap, prompt_logprobs_bytes_per_token
+from kvguard.producers.vllm.step_memory import Batch
 
 PYTORCH_ALLOCATOR_FOLLOWED = "c10/cuda/CUDACachingAllocator.cpp @ 001074d2 (PyTorch 2.4/2.5; 2.9/2.10 rules)"
 REJECTED_RESTARTING = "engine_restarting"
@@ -112,7 +113,7 @@ RETRYABLE_REASONS = (REJECTED_RESTARTING, REJECTED_QUEUE_REQS, REJECTED_QUEUE_TO
 _ARRIVE, _FINISH, _OOM, _RESET = int(EventKind.ARRIVE), int(EventKind.FINISH), int(EventKind.OOM), int(EventKind.RESET)
 _FILL, _STEP = int(EventKind.FILL), int(EventKind.STEP)
 _COMPLETED, _FAILED, _REJECTED = int(Outcome.COMPLETED), int(Outcome.FAILED_OOM), int(Outcome.REJECTED)
-_ABORTED, _REFUSED = int(Outcome.ABORTED), int(Outcome.REFUSED)
+_ABORTED, _REFUSED, _NEVER_FITS = int(Outcome.ABORTED), int(Outcome.REFUSED), int(Outcome.NEVER_FITS)
 
 
 @dataclass(slots=True)
@@ -125,8 +126,12 @@ class VllmEngineConfig:
     # kvguard's node-side logprob guard: while a request asking for prompt logprobs still has prompt
     # tokens to compute, each step's token budget is capped so that its logits fit the allocator's
     # headroom (device free + cached-but-unallocated bytes, less ``logprobs_guard_margin_bytes``)
-    logprobs_guard: bool = False
+    logprobs_guard: bool = False  # an alias of ``governor`` (the logprob guard is one case of it)
     logprobs_guard_margin_bytes: int = 256 << 20
+    # kvguard's step governor (producers.vllm.governor, sim.vllm.governed): every step sized so its non-KV
+    # peak fits the allocator's headroom less ``governor_margin_bytes``; never-fit requests refused at arrival
+    governor: bool = False
+    governor_margin_bytes: int = 256 << 20
     neighbour: Neighbour | None = None  # C4: another process on the GPU (external.Neighbour)
     leak: Leak | None = None  # C7: memory that is never returned (external.Leak)
     admission: AdmissionConfig | None = None  # kvguard's admission gate (sim.vllm.admission_gate; issue 29)
@@ -195,8 +200,6 @@ class VllmEngine:
         self._batch_cap_steps = 0  # non-empty steps the cap still lasts (0: until released)
         self._hold_cap: int | None = None  # admission hold an actuator set: prompts over this many tokens (0: all)
         self._hold_steps = 0  # non-empty steps the hold still lasts (0: until released)
-        self._logprobs_bytes_per_token = prompt_logprobs_bytes_per_token(self.spec.shape)
-        self.logprobs_guard_steps = 0  # steps whose budget the logprob guard lowered
         self._quiet = False
         self.last_step_ns = -1
         # outcomes (the seed engine's names and meanings)
@@ -228,6 +231,8 @@ class VllmEngine:
         self.scheduler = self._new_scheduler()
         self.memory: WorkerMemory | None = None
         self._start_worker(0)
+        self.governor = SimGovernor(self, self.config.governor_margin_bytes) \
+            if self.config.governor or self.config.logprobs_guard else None
 
     # ------------------------------------------------------------------ worker lifecycle
     def _new_scheduler(self) -> EngineScheduler:
@@ -328,6 +333,9 @@ class VllmEngine:
                 flags |= F_PROMPT_LOGPROBS
             rec.row(_ARRIVE, ts, r.req_id, cls=priority, flags=flags, tokens=r.prompt_tokens, aux=r.max_output_tokens)
             reason = REJECTED_RESTARTING if ts < self.down_until_ns else self._queue_full()
+            if reason is None and self.governor is not None and \
+                    self.governor.refuse(r.req_id, r.prompt_tokens, r.max_output_tokens, wants_logprobs, ts):
+                reason = REJECTED_NEVER_FITS  # the governor refuses never-fit first, then the admission gate
             if reason is None and self.gate is not None and not self.scheduler._reject_reason(r.prompt_tokens):
                 self.gate.offer(r, ts, priority, wants_logprobs)
                 self._quiet = False
@@ -355,7 +363,7 @@ class VllmEngine:
         self.rejected += 1
         self.rejected_by_reason[reason] += 1
         self._outstanding -= r.prompt_tokens + r.max_output_tokens
-        self.recorder.row(_FINISH, ts, r.req_id, flags=_REJECTED)
+        self.recorder.row(_FINISH, ts, r.req_id, flags=_NEVER_FITS if reason == REJECTED_NEVER_FITS else _REJECTED)
         self._notify(r.req_id, ts, False)
 
     def _refuse(self, r: Request, ts: int) -> None:
@@ -415,12 +423,13 @@ class VllmEngine:
         kv.admitted = []
         running_before = len(sched.running)
         budget = sched.max_num_scheduled_tokens
-        if self.config.logprobs_guard and self._prompt_logprobs:
-            self._guard_logprobs(sched)
+        defer = self.governor is not None and self.governor.before_schedule(sched)
         try:
-            out = sched.schedule() if self._hold_cap is None else self._schedule_holding(sched)
+            out = sched.schedule() if self._hold_cap is None and not defer else self._schedule_holding(sched, defer)
         finally:
             sched.max_num_scheduled_tokens = budget
+            if self.governor is not None:
+                self.governor.after_schedule(sched)
         tokens = out.num_scheduled_tokens
         if not tokens:
             self._quiet = False
@@ -526,27 +535,16 @@ class VllmEngine:
         for listener in self.finish_listeners:
             listener(rid, end, completed)
 
-    def _guard_logprobs(self, sched) -> None:
-        """Cap this step's token budget so that prompt-logprob logits fit what the allocator can still
-        get (vLLM's own workaround, vllm#5424: bound the tokens per batch; here only while such a request
-        prefills). Two requests' logits can be live at once (the rebind in ``_prompt_logprobs``): half
-        the headroom per step."""
-        requests = sched.requests
-        if not any(rid in requests and requests[rid].num_computed_tokens < requests[rid].num_prompt_tokens
-                   for rid in self._prompt_logprobs):
-            return
-        stats = self.memory.stats()
-        headroom = stats["device_free_bytes"] + stats["reserved_bytes"] - stats["allocated_bytes"]
-        cap = logprobs_step_cap(headroom, self._logprobs_bytes_per_token, self.config.logprobs_guard_margin_bytes)
-        if cap < sched.max_num_scheduled_tokens:
-            sched.max_num_scheduled_tokens = int(cap)
-            self.logprobs_guard_steps += 1
-            self._quiet = False
+    @property
+    def logprobs_guard_steps(self) -> int:
+        """Steps whose budget the step governor lowered (the logprob guard's count, kept as its alias)."""
+        return self.governor.governor.governed_steps if self.governor is not None else 0
 
-    def _schedule_holding(self, sched):
+    def _schedule_holding(self, sched, defer: bool = False):
         """``schedule()`` with the held requests out of the waiting queue, put back in their order
-        afterwards (what the plugin does to vLLM's queue, producers.vllm.actions)."""
-        cap = self._hold_cap
+        afterwards (what the plugin does to vLLM's queue, producers.vllm.actions); ``defer``: the step
+        governor holds the whole queue for this step."""
+        cap = -1 if defer or self._hold_cap is None else self._hold_cap
         waiting = sched.waiting
         order = {id(seq): i for i, seq in enumerate(waiting)}
         held = [seq for seq in waiting if seq.num_prompt_tokens > cap]

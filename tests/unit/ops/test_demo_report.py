@@ -118,3 +118,26 @@ def test_where_the_kv_layer_fragments_the_timeline_draws_its_f_ext(tmp_path, mon
     assert rows["F_ext (KV layer)"] == {0.1}
     assert not any("allocator" in label for label in rows)
     assert [r.label for r in demo_report.timeline_rows(run("b", 2, 3))] == ["U_kv", "F_ext (KV layer)", "Ψ"]
+
+
+def test_the_steps_the_governor_shrank_are_marked_on_the_timeline(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    marks = []
+    real_plot = Axes.plot
+
+    def plot(self, *args, **kwargs):
+        if len(args) >= 3 and args[2] == "g^":
+            marks.extend(args[0])
+        return real_plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", plot)
+    baseline, guarded = run("baseline", 2, 3), run("guarded", 2, 50)
+    guarded.governed = {"sim-0/gpu1": [60.0, 120.0, 180.0]}
+    result = {"baseline": baseline.summary, "guarded": guarded.summary, "workload": {"name": "mixed"},
+              "arms": {"baseline": {"ooms": 1, "config": "x"}, "kvguard": {"ooms": 0, "config": "y"}}}
+    demo_report.write_report(tmp_path / "r", result, baseline, guarded)
+    assert sorted(marks) == [1.0, 2.0, 3.0]  # minutes

@@ -37,9 +37,11 @@ def test_a_long_prompt_logprob_request_ooms_near_the_limit_and_the_guard_lets_it
     assert guarded.ooms == 0 and guarded.completed == 1 and guarded.logprobs_guard_steps > 0
 
 
-def test_each_guarded_step_keeps_its_logits_within_the_headroom():
+def test_each_guarded_step_keeps_its_planned_peak_within_the_headroom():
+    """The guard is now the step governor's prompt-logprob case: every step's planned non-KV peak (the
+    plan the allocator twin replays) fits what the allocator could give, less the margin."""
     e = engine(0.97, guard=True)
-    per_token = prompt_logprobs_bytes_per_token(e.spec.shape)
+    margin = e.config.governor_margin_bytes
     seen = []
     real_schedule = e.scheduler.schedule
 
@@ -47,14 +49,17 @@ def test_each_guarded_step_keeps_its_logits_within_the_headroom():
         stats = e.memory.stats()
         headroom = stats["device_free_bytes"] + stats["reserved_bytes"] - stats["allocated_bytes"]
         out = real_schedule()
-        seen.append((sum(out.num_scheduled_tokens.values()), headroom))
+        tokens = sum(out.num_scheduled_tokens.values())
+        batch = e._prompt_logprobs_batch(out)
+        seen.append((tokens, e.memory.step_plan(tokens, len(out.num_scheduled_tokens), batch).peak_bytes, headroom))
         return out
 
     e.scheduler.schedule = schedule
     e.submit(Request(1, 0, 12000, 4))
     e.advance(30 * NS_PER_S)
     assert e.completed == 1 and len(seen) > 6  # chunked finer than the 2048-token budget
-    assert all(2 * tokens * per_token <= headroom for tokens, headroom in seen if tokens > 16)
+    assert all(peak <= headroom - margin for tokens, peak, headroom in seen if tokens > 1)
+    assert max(t for t, _, _ in seen) < e.profile.max_batched_tokens
     assert e.scheduler.max_num_scheduled_tokens == e.profile.max_batched_tokens  # restored after every step
 
 
