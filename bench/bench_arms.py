@@ -41,7 +41,7 @@ HELD_OUT = (("azure-conv", 1.0), ("azure-code", 1.0), ("mooncake-sample", 0.05),
 OPERATOR_UTILIZATION = 0.95
 GUARDED_UTILIZATION = 0.97
 ARMS = ("vllm_default", "tuned_static", "static_expandable", "baseline", "kvguard", "kvguard_0.97")
-FIELDS = ("ooms", "preemptions", "failed", "rejected", "slo_attainment", "slo_goodput_tokens_per_s",
+FIELDS = ("ooms", "preemptions", "failed", "rejected", "refused", "slo_attainment", "slo_goodput_tokens_per_s",
           "ttft_p99_s")
 
 
@@ -52,12 +52,14 @@ def run_seed(job: tuple) -> dict:
     from kvguard.runtime.bootstrap import bootstrap
     from kvguard.runtime.embedded import demo_workload, run_embedded, static_arms
 
-    workload, rate, seed, gpus, duration_s, frac, lstm = job
+    workload, rate, seed, gpus, duration_s, frac, lstm, *rest = job
+    mix = rest[0] if rest else None
     logging.disable(logging.WARNING)  # mode changes and outages are the runs' own business here
     node_config = VllmEngineConfig(prompt_logprobs_frac=frac)
     operator = EngineKnobs(gpu_memory_utilization=OPERATOR_UTILIZATION)
     graph = bootstrap(knobs=operator, node_config=node_config, predictor="shipped" if lstm else None)
-    wl = demo_workload(graph.profile, workload=workload, rate_scale=rate, duration_s=duration_s, seed=seed)
+    wl = demo_workload(graph.profile, workload=workload, rate_scale=rate, duration_s=duration_s, seed=seed,
+                       priority_mix=mix)
     arms = {name: (g, False) for name, g in static_arms(graph, None, node_config).items()}
     expandable = EngineKnobs(gpu_memory_utilization=OPERATOR_UTILIZATION, allocator_conf="expandable_segments:True")
     higher = EngineKnobs(gpu_memory_utilization=GUARDED_UTILIZATION)
@@ -87,9 +89,14 @@ def main() -> None:
     ap.add_argument("--prompt-logprobs-frac", type=float, default=0.05)
     ap.add_argument("--rate-mult", type=float, default=1.0, help="scale every held-out workload's rate")
     ap.add_argument("--no-lstm", action="store_true", help="kvguard without its predictor tier")
+    ap.add_argument("--priority-mix", default=None, help="e.g. 9:0.1,5:0.6,1:0.3 for requests the trace gives "
+                    "no priority (issue 29)")
     args = ap.parse_args()
     held_out = [(w, r * args.rate_mult) for w, r in HELD_OUT]
-    jobs = [(w, r, s, args.gpus, args.duration_s, args.prompt_logprobs_frac, not args.no_lstm)
+    from kvguard.producers.admission import parse_priority_mix
+
+    mix = parse_priority_mix(args.priority_mix) if args.priority_mix else None
+    jobs = [(w, r, s, args.gpus, args.duration_s, args.prompt_logprobs_frac, not args.no_lstm, mix)
             for w, r in held_out for s in range(args.seeds)]
     t0 = time.perf_counter()
     runs = []

@@ -100,6 +100,7 @@ class NodeView:
     alloc_retries: int = 0  # caching allocator: cached blocks released and a malloc retried, in the interval
     alloc_reserved_bytes: int = 0  # 0: the node reports no allocator layer
     alloc_f_ext: float = 0.0  # 1 - largest cached free block / cached free bytes (the allocator's F_ext)
+    endpoint_saturation: float | None = None  # the node's predicted KV saturation (admission gate; issue 29)
 
     @property
     def pending_prefill_units(self) -> int:
@@ -302,6 +303,8 @@ def view_from_tick(tick: Tick, *, dynamic_units: int | None = None, unit_tokens:
                          for c in tick.candidates),
         unit_tokens=unit_tokens, alloc_retries=int(tick.alloc_retries or 0),
         alloc_reserved_bytes=int(tick.alloc_reserved_bytes or 0), alloc_f_ext=float(tick.alloc_f_ext or 0.0),
+        endpoint_saturation=None if getattr(tick, "endpoint_saturation", None) is None
+        else float(tick.endpoint_saturation),
     )
 
 

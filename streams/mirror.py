@@ -96,6 +96,7 @@ _BARRIERS = _table({K.RESET: 1, K.MIGRATE: 1, K.SNAPSHOT: 1}, dtype=bool)
 _ALLOCATOR_LAYER = _table({k: 1 for k in ALLOCATOR_KINDS}, dtype=bool)
 
 _ARRIVE, _SHARE, _FREE, _EVICT, _STEP = int(K.ARRIVE), int(K.SHARE), int(K.FREE), int(K.EVICT), int(K.STEP)
+_ADMISSION = int(K.ADMISSION)
 _MIGRATE, _RESET, _SNAPSHOT = int(K.MIGRATE), int(K.RESET), int(K.SNAPSHOT)
 _RETAIN = int(Handling.RETAIN)
 
@@ -190,6 +191,7 @@ class AllocatorMirror:
         self.snapshot_checks = 0
         self._metrics_cache: MirrorMetrics | None = None
         self.allocator = AllocatorLayer()  # the caching-allocator layer (SEG_*/BLK_* rows)
+        self.endpoint_state: tuple[int, int, int] | None = None  # newest ADMISSION state row: cls, size, aux
 
     # ------------------------------------------------------------------ writing
     def apply(self, events: np.ndarray, state: PoolState | None = None) -> None:
@@ -222,6 +224,10 @@ class AllocatorMirror:
         if start < len(events):
             self._apply_plain(events[start:])
         self.last_ts_ns = int(events["ts_ns"][-1])
+        state_rows = _nonzero((kind == _ADMISSION) & (events["req"] == -1))
+        if state_rows.size:  # the node's admission state (issue 29): the newest wins
+            row = events[int(state_rows[-1])]
+            self.endpoint_state = (int(row["cls"]), int(row["size"]), int(row["aux"]))
 
     def mark_unsynced(self, reason: str) -> None:
         """The stream lost events (seq gap, producer restart): metrics are best effort until the

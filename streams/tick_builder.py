@@ -135,8 +135,20 @@ def build_tick(node: str, epoch: int, ts_ns: int, m: AllocatorMirror, table: Req
         util_activation=am.allocated_bytes / total,
         util_reserved_unused=(am.reserved_bytes - am.allocated_bytes) / total, unit_bytes=ub,
         logprob_requests_pending=int(logprobs.sum()), logprob_prompt_tokens_pending=logprob_tokens,
-        late_events=interval.late_events,
+        late_events=interval.late_events, **_endpoint(m),
     )
+
+
+def _endpoint(m: AllocatorMirror) -> dict:
+    """The router series from the newest ADMISSION state row (``req`` -1): cls 0 admits, ``size`` the
+    saturation in 1/1000, ``aux`` the delay in ms; nothing when the node wrote none."""
+    state = getattr(m, "endpoint_state", None)
+    if state is None:
+        return {}
+    decision, saturation_permille, delay_ms = state
+    return {"endpoint_admit": 1 if decision == 0 else 0,
+            "endpoint_saturation": min(1.0, max(0.0, saturation_permille / 1000.0)),
+            "endpoint_queue_delay_s": max(0.0, delay_ms / 1000.0)}
 
 
 def _fraction(value: float) -> float:

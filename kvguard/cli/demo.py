@@ -186,6 +186,8 @@ def demo(
                                                              "and tuned_static (the best static knobs of the "
                                                              "training sweep, bench/sweep_static.py)."),
     seed: int = typer.Option(0, "--seed"),
+    priority_mix: str = typer.Option(None, "--priority-mix", help="Priorities 0-10 for requests the trace gives "
+                                     "none, e.g. 9:0.1,5:0.6,1:0.3 (summaries then split SLO attainment by them)."),
     report: Path = typer.Option(Path("kvguard-report"), "--report", help="Directory for the report and plots "
                                                                          "(its path is printed on stderr)."),
     no_report: bool = typer.Option(False, "--no-report", help="Do not write the report."),
@@ -211,7 +213,7 @@ def demo(
     from rich.console import Console
 
     # the runtime loads the whole system: imported when the command runs, so `kvguard --help` stays fast
-    from kvguard.cli.simulate import parse_duration
+    from kvguard.cli.simulate import overload_args, parse_duration
     from kvguard.config.extras import require
     from kvguard.config.settings import ConfigError, Settings
     from kvguard.producers.sim.profiles import EngineKnobs, load_profile
@@ -245,7 +247,9 @@ def demo(
     # merge with this one's. The embedded in-memory run keeps sim-0 (deterministic for a seed).
     run_id = secrets.token_hex(4) if (redis or bus) else None
     host = f"demo-{run_id}" if run_id else "sim-0"
-    wl = demo_workload(graph.profile, workload=workload, rate_scale=rate_scale, duration_s=duration_s, seed=seed)
+    mix = overload_args(priority_mix, None)[0]
+    wl = demo_workload(graph.profile, workload=workload, rate_scale=rate_scale, duration_s=duration_s, seed=seed,
+                       priority_mix=mix)
     console.print(f"kvguard demo: {len(wl.requests)} requests ({workload} ×{rate_scale:g}, "
                   f"{duration_s / 60:.0f} min) on {gpus} × {graph.profile.name}; {graph.predictor_note}"
                   + (f"; run {run_id}, nodes {host}/gpu0…" if run_id else ""))

@@ -42,6 +42,25 @@ def parse_duration(text: str) -> float:
     return value
 
 
+def overload_args(priority_mix: str | None, goodput: list[str] | None, router: str | None = None):
+    """``--priority-mix``, ``--goodput`` and ``--router`` checked: (mix or None, SloTargets)."""
+    from kvguard.producers.admission import parse_priority_mix
+    from kvguard.producers.sim.fleet import ROUTERS
+    from kvguard.producers.sim.run import DEFAULT_SLO, parse_goodput
+
+    try:
+        mix = parse_priority_mix(priority_mix) if priority_mix else None
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--priority-mix") from None
+    try:
+        slo = parse_goodput([part for item in goodput for part in item.split()]) if goodput else DEFAULT_SLO
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--goodput") from None
+    if router is not None and router not in ROUTERS:
+        raise typer.BadParameter(f"expected one of {', '.join(sorted(ROUTERS))}, got {router!r}", param_hint="--router")
+    return mix, slo
+
+
 def check_rate_scale(value: float) -> float:
     if not math.isfinite(value) or not 0 < value <= MAX_RATE_SCALE:
         raise typer.BadParameter(f"expected a finite number in (0, {MAX_RATE_SCALE:g}], got {value}",
@@ -89,6 +108,13 @@ def _print_table(out: dict) -> None:
         console.print(f"OOMs by cause: {causes}")
     if out["rejected_by_reason"]:
         console.print("rejected: " + ", ".join(f"{r} {n}" for r, n in out["rejected_by_reason"].items()))
+    if out.get("admission"):
+        a = out["admission"]
+        console.print(f"admission: {a['held']} held, {a['released']} released, {a['refused']} refused (503 + "
+                      f"Retry-After, retryable)")
+    if out.get("slo_attainment") is not None:
+        by = ", ".join(f"p{p} {v:.1%}" for p, v in (out.get("slo_attainment_by_priority") or {}).items())
+        console.print(f"SLO {out['slo']}: {out['slo_attainment']:.1%} of requests" + (f" ({by})" if by else ""))
     allocators = [d["allocator"] for d in out["per_gpu"] if d.get("allocator")]
     if allocators:
         gib = 1 << 30
@@ -187,6 +213,18 @@ def simulate(
                                        "at once)."),
     burstiness: float = typer.Option(1.0, "--burstiness", help="vllm bench serve: gamma shape of the "
                                      "inter-arrivals (1: Poisson)."),
+    # -- overload (issue 29): priorities, the SLO, kvguard's admission gate
+    priority_mix: str = typer.Option(None, "--priority-mix", help="Priorities (0-10, higher more important) for "
+                                     "requests the trace gives none, e.g. 9:0.1,5:0.6,1:0.3 (a trace's own wins)."),
+    goodput: list[str] = typer.Option(None, "--goodput", help="The SLO, as vllm bench serve spells it: KEY:MS "
+                                      "pairs of ttft, tpot, e2el (default ttft:2000 tpot:100); repeat the flag "
+                                      "or quote 'ttft:2000 tpot:100'."),
+    admission: bool = typer.Option(False, "--admission", help="vLLM profiles: kvguard's memory- and SLO-aware "
+                                   "admission gate on each node (held or refused with a retryable 503 + "
+                                   "Retry-After); use with --scheduling-policy priority and --router kvguard."),
+    router: str = typer.Option("least_loaded", "--router", help="The fleet's router: least_loaded, round_robin, "
+                               "kvguard (reads kvguard's endpoint series) or llmd_utilization (llm-d-router's "
+                               "utilization detector: KV 0.8, queue 5, sheds priority < 5 when saturated)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Run the shadow engine over a workload and report OOMs, preemptions, latency and goodput.
@@ -231,6 +269,7 @@ def simulate(
         enforce_eager=enforce_eager, model_runner=model_runner, attention_lse=attention_lse,
         scheduler_reserve_full_isl=scheduler_reserve_full_isl, spec_acceptance_rate=spec_acceptance_rate)
     duration_s = parse_duration(duration) if duration else None
+    mix, slo = overload_args(priority_mix, goodput, router)
     try:
         knobs, engine_args = flags_.engine_settings(flags, model_config=model_config, gpu=gpu, gpu_memory_gib=gpu_memory_gib,
                                              tensor_parallel_size=tensor_parallel_size, dtype=dtype)
@@ -256,7 +295,8 @@ def simulate(
                                  progress=progress, knobs=knobs, prompt_logprobs_frac=prompt_logprobs_frac,
                                  logprobs_guard=logprobs_guard, engine_args=engine_args, bench=bench,
                                  max_concurrency=max_concurrency if bench is None else None,
-                                 long_context_frac=long_context_frac, long_context_len=long_context_len, **schedules)
+                                 long_context_frac=long_context_frac, long_context_len=long_context_len,
+                                 priority_mix=mix, slo=slo, admission=admission, router=router, **schedules)
     except (WorkloadError, ProfileError, ModelConfigError, UnsupportedArchitecture, BenchArgsError,
             StartupRefused) as e:  # StartupRefused: e.g. a neighbour at start-up, vLLM's free-memory check
         err.print(f"[red]error:[/] {e}", soft_wrap=True)

@@ -66,6 +66,12 @@ GOVERN        req|-1 headroom/predicted     token budget set     the step govern
                                                                    its FINISH has Outcome.NEVER_FITS), size = its need
 OOM_STEP      req    (by cls, below)        (by cls)             the step an OOM row right after it crashed
                                                                    (cls=OomStepRow; bytes, tokens; for kvguard rca)
+ADMISSION     req    retry-after ms/        prompt tokens        cls=Decision (producers.admission: 1 held,
+                     saturation x1000                              2 refused, 3 released), aux=predicted queueing
+                                                                   delay ms; a refusal is then FINISH REFUSED
+                                                                   req -1: the node's state for a typical
+                                                                   request (cls 0 admit), at most once a second:
+                                                                   the router series (Tick endpoint_*)
 ============  =====  ======================================================================
 
 Units are the KV pool's unit (``Geometry.unit_tokens`` tokens of KV). Every KV offset is in
@@ -130,6 +136,7 @@ class EventKind(IntEnum):
     BLK_FREE = 26
     ALLOC_RETRY = 27
     GOVERN = 28
+    ADMISSION = 29  # the node's admission gate held, refused or released a request (issue 29)
     OOM_STEP = 30  # the crashing step of the OOM row that follows (cls=OomStepRow)
 
 
@@ -182,6 +189,7 @@ class Outcome(IntEnum):
     FAILED_OOM = 1  # the engine crashed under it
     REJECTED = 2  # could never fit (prompt larger than the pool), or the engine was down (restarting)
     ABORTED = 3  # cancelled by the caller or the policy
+    REFUSED = 4  # refused at admission (overload), retryable: answered with Retry-After (issue 29)
     NEVER_FITS = 5  # refused at arrival by the step governor: its smallest step can never fit this node
 
 

@@ -143,6 +143,11 @@ class Tick:
     # events of the interval that ran more than streams.max_ts_backwards_s behind the node's clock (its
     # newest event time before them): applied in order all the same, so counted in this tick, not theirs
     late_events: int = 0
+    # the node's admission gate (issue 29; None: it has none): whether it admits a typical request now,
+    # its predicted KV saturation in [0, 1] and expected queueing delay (the newest ADMISSION state row)
+    endpoint_admit: int | None = None
+    endpoint_saturation: float | None = None
+    endpoint_queue_delay_s: float | None = None
 
     @property
     def ts_s(self) -> float:
@@ -190,6 +195,8 @@ TICK_GROUPS: dict[str, tuple[str, ...]] = {
                  "logprob_prompt_tokens_pending", "governed", "never_fits"),
     # the predictor's outputs (``with_prediction``)
     "prediction": ("p_oom", "u_kv_forecast"),
+    # the node's admission gate (issue 29): the router series; None without a gate
+    "admission": ("endpoint_admit", "endpoint_saturation", "endpoint_queue_delay_s"),
 }
 _GROUP_OF = {name: group for group, names in TICK_GROUPS.items() for name in names}
 

@@ -82,6 +82,14 @@ TICK_GAUGES: dict[str, tuple[str, float, str]] = {
     "kvguard_p_oom": ("p_oom", 1.0, "Predicted probability of an OOM within the horizon (absent when no "
                                     "model runs)."),
     "kvguard_kv_free_units": ("free_units", 1.0, "Free allocator units of the dynamic KV pool."),
+    # the router series (issue 29; deploy/llm-d/): absent for a node without kvguard's admission gate
+    "kvguard_endpoint_admit": ("endpoint_admit", 1.0, "1 while the node's admission gate admits a typical request "
+                               "(priority 5), 0 while it holds or refuses (route away)."),
+    "kvguard_endpoint_saturation": ("endpoint_saturation", 1.0, "Predicted KV saturation in [0, 1]: the KV blocks "
+                                    "running and queued requests will need at their expected final lengths over "
+                                    "the cache (predictive, not kv_cache_usage_perc)."),
+    "kvguard_endpoint_queue_delay_seconds": ("endpoint_queue_delay_s", 1.0, "Expected queueing delay of a typical "
+                                             "request arriving now, until its prefill ends (seconds)."),
     "kvguard_kv_largest_free_run_units": ("largest_free_run_units", 1.0,
                                           "Largest run of contiguous free allocator units."),
     "kvguard_kv_pool_units": ("dynamic_units", 1.0, "Allocator units of the dynamic KV pool D."),

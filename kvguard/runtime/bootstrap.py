@@ -156,9 +156,10 @@ class Graph:
 
     # -- node side ------------------------------------------------------------------------------
 
-    def fleet(self, n_gpus: int, *, seed: int = 0, host: str = "sim-0", snapshot_every_s: float = 60.0) -> Fleet:
+    def fleet(self, n_gpus: int, *, seed: int = 0, host: str = "sim-0", snapshot_every_s: float = 60.0,
+              router: str = "least_loaded") -> Fleet:
         return Fleet(n_gpus, self.profile, seed=seed, host=host, snapshot_every_s=snapshot_every_s,
-                     config=self.node_config)
+                     config=self.node_config, router=router)
 
     def with_node(self, profile: Profile, node_config: NodeConfig | None = None) -> "Graph":
         """The same graph over another node-side configuration (a demo arm): the profile (with its

@@ -24,7 +24,7 @@ from kvguard.policy.budget import fragmented_f_ext
 from kvguard.producers.sim.profiles import load_profile, prompt_cap_tokens
 from kvguard.producers.sim.registry import engine_kind
 from kvguard.producers.sim.vllm.governed import governor_summary
-from kvguard.producers.sim.workloads import load_workload
+from kvguard.producers.sim.workloads import load_workload, with_priority_mix
 from kvguard.runtime.bootstrap import make_ledger, make_slo_ledger
 from kvguard.streams.outputs import output_records
 from kvguard.wire.schemas import make_headers
@@ -92,9 +92,12 @@ def with_node_guard(graph: Any) -> Any:
     return replace(graph, node_config=kind.node_config(graph.node_config, logprobs_guard=True))
 
 
-def demo_workload(profile: Any, *, workload: str, rate_scale: float, duration_s: float, seed: int):
-    return load_workload(workload, rate_scale=rate_scale, window=duration_s, seed=seed,
-                         max_prompt_tokens=prompt_cap_tokens(profile))
+def demo_workload(profile: Any, *, workload: str, rate_scale: float, duration_s: float, seed: int,
+                  priority_mix: Any = None):
+    """``priority_mix``: ((priority, share), ...) for requests the trace gives none (issue 29)."""
+    wl = load_workload(workload, rate_scale=rate_scale, window=duration_s, seed=seed,
+                       max_prompt_tokens=prompt_cap_tokens(profile))
+    return with_priority_mix(wl, priority_mix, seed) if priority_mix else wl
 
 
 async def run_embedded(graph: Any, workload: Any, *, n_gpus: int, duration_s: float, seed: int, guarded: bool,

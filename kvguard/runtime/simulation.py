@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from kvguard.config.settings import Settings
 from kvguard.contracts.units import NS_PER_S
+from kvguard.producers.admission import AdmissionConfig
 from kvguard.producers.sim.bench_serve import ClosedLoopClient
 from kvguard.producers.sim.profiles import EngineKnobs, ProfileError, prompt_cap_tokens
 from kvguard.producers.sim.registry import engine_kind
+from kvguard.producers.sim.run import DEFAULT_SLO
+from kvguard.producers.sim.vllm.admission_gate import admission_totals
 from kvguard.producers.sim.vllm.engine import RETRYABLE_REASONS
 from kvguard.producers.sim.vllm.governed import governor_summary
-from kvguard.producers.sim.workloads import load_workload, with_long_context
+from kvguard.producers.sim.workloads import load_workload, with_long_context, with_priority_mix
 from kvguard.runtime.bootstrap import bootstrap
 from kvguard.wire.eventlog import EventLogWriter
 
@@ -78,7 +82,8 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
                    knobs: EngineKnobs | None = None, prompt_logprobs_frac: float = 0.0, logprobs_guard: bool = False,
                    settings: Settings | None = None, engine_args: Any = None, bench: Any = None,
                    max_concurrency: int | None = None, neighbour: Any = None, leak: Any = None,
-                   long_context_frac: float = 0.0, long_context_len: int = 0) -> dict:
+                   long_context_frac: float = 0.0, long_context_len: int = 0, priority_mix: Any = None,
+                   slo: Any = None, admission: bool = False, router: str = "least_loaded") -> dict:
     """The command's core, callable from Python: returns the JSON summary as a dict. ``knobs``: an
     ``EngineKnobs`` over the (vLLM) profile; ``prompt_logprobs_frac``: the share of requests asking
     for prompt logprobs (``echo`` + ``logprobs``, as lm-eval-harness's loglikelihood tasks do);
@@ -87,7 +92,11 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
     ``EngineArgs`` (your model config, GPU and ``vllm serve`` flags) instead of a bundled profile;
     ``bench``: a ``BenchRun`` (``vllm bench serve``'s random dataset and client) for ``--workload random``;
     ``max_concurrency``: a closed-loop client over any workload; ``neighbour``/``leak``: memory outside
-    vLLM (``sim.vllm.external``); ``long_context_*``: a share of prompts made that long (class C3)."""
+    vLLM (``sim.vllm.external``); ``long_context_*``: a share of prompts made that long (class C3);
+    ``priority_mix``: ((priority, share), ...) for requests the trace gave none; ``slo``: the ``SloTargets``
+    counted against (default ``ttft:2000 tpot:100``); ``admission``: kvguard's admission gate on each
+    (vLLM) node, its TTFT target the SLO's; ``router``: the fleet's (``producers.sim.fleet.ROUTERS``)."""
+    slo = slo if slo is not None else DEFAULT_SLO
     graph = bootstrap(settings if settings is not None else Settings(), profile=profile_name, knobs=knobs,
                       predictor=None)
     profile = engine_args.profile() if engine_args is not None else graph.profile
@@ -105,6 +114,8 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
                            max_prompt_tokens=prompt_cap_tokens(profile))
     if long_context_frac:
         wl = with_long_context(wl, long_context_frac, long_context_len, seed)
+    if priority_mix:
+        wl = with_priority_mix(wl, priority_mix, seed)
     if logprobs_guard and not sampler:
         raise ProfileError(profile.name, "engine", f"an engine with a sampler for --logprobs-guard (the "
                                                    f"{kind.name!r} engine has none)")
@@ -114,7 +125,12 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
                                                    f"{kind.name!r} engine has none)")
     config = kind.node_config(prompt_logprobs_frac=prompt_logprobs_frac, logprobs_guard=logprobs_guard,
                               **external) if sampler else None
-    fleet = graph.with_node(profile, config).fleet(gpus, seed=seed)
+    if admission:
+        if "admission" not in {f.name for f in fields(kind.config)}:
+            raise ProfileError(profile.name, "engine", f"an engine with kvguard's admission gate for --admission (the "
+                                                       f"{kind.name!r} engine has none)")
+        config = kind.node_config(config, admission=AdmissionConfig(ttft_s=slo.ttft_s))
+    fleet = graph.with_node(profile, config).fleet(gpus, seed=seed, router=router)
     if bench is not None or max_concurrency is not None:
         return _run_closed_loop(fleet, wl, profile, bench, max_concurrency, duration_s, events_out, progress,
                                 knobs, seed, gpus, prompt_logprobs_frac, logprobs_guard, flush_s)
@@ -135,7 +151,7 @@ def run_simulation(workload: str, *, gpus: int = 1, duration_s: float | None = N
         sink.close()
     wall = time.perf_counter() - wall0
     out = _summary(fleet, profile, wl, wall, gpus, rate_scale, seed, events_out, knobs, prompt_logprobs_frac,
-                   logprobs_guard)
+                   logprobs_guard, slo)
     if sink.error is not None:
         raise EventLogFailed(events_out, sink.error, out)
     return out
@@ -171,8 +187,11 @@ def _run_closed_loop(fleet, wl, profile, bench, max_concurrency, duration_s, eve
 
 
 def _summary(fleet, profile, wl, wall, gpus, rate_scale, seed, events_out, knobs, prompt_logprobs_frac,
-             logprobs_guard) -> dict:
-    out = fleet.summary().to_dict()
+             logprobs_guard, slo=None) -> dict:
+    out = fleet.summary(slo if slo is not None else DEFAULT_SLO).to_dict()
+    gates = [e.gate for e in fleet.engines if getattr(e, "gate", None) is not None]
+    if gates:
+        out["admission"] = admission_totals(gates, fleet.shed)
     out["wall_seconds"] = round(wall, 3)
     out["sim_speed_x"] = round(out["sim_seconds"] * gpus / wall, 1) if wall > 0 else None
     out.update({"gpus": gpus, "profile": profile.name, "workload": wl.describe(), "rate_scale": rate_scale,

@@ -329,6 +329,9 @@ class _MetricTickDeclared(WireModel):
     late_events: int = Field(0, ge=0)
     governed: int = Field(0, ge=0)
     never_fits: int = Field(0, ge=0)
+    endpoint_admit: int | None = Field(None, ge=0, le=1)
+    endpoint_saturation: float | None = Field(None, ge=0.0, le=1.0)
+    endpoint_queue_delay_s: float | None = Field(None, ge=0.0)
 
     def to_tick(self) -> Tick:
         """The core's tick from this validated record: fields the record does not carry take the

@@ -12,6 +12,7 @@ from __future__ import annotations
 from kvguard.policy.guards.base import Guard
 from kvguard.policy.guards.batch_cap import BatchCap
 from kvguard.policy.guards.headroom import AdmissionHeadroom
+from kvguard.policy.guards.storm import PreemptionStorm
 from kvguard.policy.guards.structural import ContiguityRisk, StructuralGuard
 
 GUARDS: tuple[type[Guard], ...] = (
@@ -19,6 +20,7 @@ GUARDS: tuple[type[Guard], ...] = (
     StructuralGuard,
     AdmissionHeadroom,
     BatchCap,
+    PreemptionStorm,  # issue 29: predicted preemption storms (acts only on nodes reporting a saturation)
 )
 
 

@@ -18,7 +18,8 @@ import numpy as np
 from kvguard.contracts.events import EVENT_DTYPE, EventBatch
 from kvguard.contracts.units import NS_PER_S
 from kvguard.producers.sim.profiles import Profile
-from kvguard.producers.sim.run import RunSummary, slo_fields
+from kvguard.producers.sim.routing import LlmdUtilizationRouter, route_by_admission
+from kvguard.producers.sim.run import DEFAULT_SLO, RunSummary, SloTargets, slo_fields
 from kvguard.producers.sim.registry import SimEngine as Engine
 from kvguard.producers.sim.registry import make_engine
 from kvguard.producers.sim.workloads import Request, Workload
@@ -49,6 +50,8 @@ def _route_round_robin(engines: list[Engine], request: Request) -> int:
 ROUTERS: dict[str, Callable[[list[Engine], Request], int]] = {
     "least_loaded": _route_least_loaded,
     "round_robin": _route_round_robin,
+    "kvguard": route_by_admission,  # the router series kvguard exports (producers.sim.routing)
+    "llmd_utilization": LlmdUtilizationRouter(),  # llm-d-router's utilization detector (the baseline)
 }
 
 
@@ -73,6 +76,8 @@ class Fleet:
         self._next_snapshot_ns = [0] * n_gpus
         self._last_ts = [0] * n_gpus
         self.routed = [0] * n_gpus
+        self.shed = 0  # refused at the router (the llm-d-style baseline sheds there; counted as refused)
+        self.shed_by_priority: dict[int, int] = {}
 
     def submit_workload(self, workload: Workload | Iterable[Request]) -> None:
         """Queue requests; each is routed to a GPU when the fleet clock reaches its arrival."""
@@ -93,6 +98,11 @@ class Fleet:
             for e in self.engines:
                 e.advance(r.arrival_ns)
             i = self.router(self.engines, r)
+            if i < 0:  # the router shed it: a retryable refusal (429), answered at the router
+                self.shed += 1
+                p = 5 if r.priority is None else min(10, max(0, int(r.priority)))
+                self.shed_by_priority[p] = self.shed_by_priority.get(p, 0) + 1
+                continue
             self.routed[i] += 1
             self.engines[i].submit(r)
         for e in self.engines:
@@ -151,8 +161,8 @@ class Fleet:
             if now_ns >= end_ns and (not drain or now_ns >= cap_ns or self.idle()):
                 return
 
-    def summary(self) -> RunSummary:
-        """Fleet-wide outcomes; percentiles over every GPU's requests."""
+    def summary(self, slo: SloTargets = DEFAULT_SLO) -> RunSummary:
+        """Fleet-wide outcomes; percentiles over every GPU's requests; SLO attainment against ``slo``."""
         sims = [e.summary() for e in self.engines]
         ttft = np.concatenate([np.asarray(e._ttft_ns, dtype=np.float64) for e in self.engines])
         tpot = np.concatenate([np.asarray(e._tpot_ns, dtype=np.float64) for e in self.engines])
@@ -162,18 +172,31 @@ class Fleet:
 
         sim_s = max(e.now_ns for e in self.engines) / NS_PER_S
         return RunSummary(
-            requests=sum(s.requests for s in sims), completed=sum(s.completed for s in sims),
+            requests=sum(s.requests for s in sims) + self.shed, completed=sum(s.completed for s in sims),
             failed=sum(s.failed for s in sims), rejected=sum(s.rejected for s in sims),
             unfinished=sum(s.unfinished for s in sims), ooms=sum(s.ooms for s in sims),
             preemptions=sum(s.preemptions for s in sims), ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),
             tpot_p50_s=pct(tpot, 50), tpot_p99_s=pct(tpot, 99),
             goodput_tokens_per_s=round(sum(e.goodput_tokens for e in self.engines) / sim_s, 3) if sim_s > 0 else 0.0,
             downtime_s=round(sum(s.downtime_s for s in sims), 3), sim_seconds=round(sim_s, 3),
-            events=sum(s.events for s in sims),
+            events=sum(s.events for s in sims), refused=sum(s.refused for s in sims) + self.shed,
             # every request routed counts, also one an engine had not taken in when the run ended
             **slo_fields([r for e in self.engines for r in e.served],
-                         max(sum(s.requests for s in sims), sum(self.routed)), sim_s),
+                         max(sum(s.requests for s in sims), sum(self.routed)) + self.shed, sim_s, slo,
+                         priorities=self._priorities()),
         )
+
+    def _priorities(self):
+        """(priority per served entry, arrivals per priority) over every GPU and the router's sheds,
+        or None when an engine does not keep them."""
+        if not all(hasattr(e, "served_priority") for e in self.engines):
+            return None
+        served = [p for e in self.engines for p in e.served_priority]
+        arrivals: dict[int, int] = dict(self.shed_by_priority)
+        for e in self.engines:
+            for p, n in e.requests_by_priority.items():
+                arrivals[p] = arrivals.get(p, 0) + n
+        return served, arrivals
 
     def per_gpu(self) -> list[dict]:
         out = []

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from kvguard.contracts.units import NS_PER_S
+from kvguard.producers.admission import priority_for
 
 HASH_BLOCK_TOKENS = 64
 MOONCAKE_BLOCK_TOKENS = 512
@@ -444,3 +445,16 @@ def with_long_context(wl: Workload, frac: float, prompt_tokens: int, seed: int =
     notes = list(wl.notes) + ([f"{chosen} prompts made {prompt_tokens} tokens long (long-context share {frac:g})"]
                               if frac else [])
     return Workload(wl.name, out, notes)
+
+
+def with_priority_mix(wl: Workload, mix, seed: int = 0) -> Workload:
+    """``wl`` with each request's priority drawn from ``mix`` (``producers.admission.parse_priority_mix``:
+    ((priority, share), ...)), deterministically per (request id, seed); a request whose trace gave it a
+    priority keeps it (the trace's own field wins)."""
+    out = [r if r.priority is not None else Request(r.req_id, r.arrival_ns, r.prompt_tokens, r.max_output_tokens,
+                                                    priority_for(mix_hash(r.req_id, seed), mix), r.block_hashes)
+           for r in wl.requests]
+    kept = sum(r.priority is not None for r in wl.requests)
+    mix_text = ",".join(f"{p}:{s:g}" for p, s in mix)
+    note = f"priority mix {mix_text}" + (f" ({kept} requests kept the trace's own priority)" if kept else "")
+    return Workload(wl.name, out, [*wl.notes, note])

@@ -27,6 +27,7 @@ The async scheduler (``AsyncScheduler``, a ``Scheduler`` subclass) schedules ste
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,7 +55,7 @@ class Attachment:
     (``CudaMemoryObserver``) are optional; both are called on the engine thread only."""
 
     def __init__(self, scheduler: Any, translator: VllmEventTranslator, *, actions: Any = None, memory: Any = None,
-                 snapshots: bool = True) -> None:
+                 snapshots: bool = True, admission: Any = None) -> None:
         self.scheduler = scheduler
         self.kv = scheduler.kv_cache_manager
         self.pool = self.kv.block_pool
@@ -62,6 +63,8 @@ class Attachment:
         self.actions = actions
         self.memory = memory
         self.snapshots = snapshots
+        self.admission = admission  # producers.vllm.admission.VllmAdmission: fed step times and finished lengths
+        self._step_started = 0.0
         self.caching = bool(self.pool.enable_caching)
         self.block_size = translator.block_size
         self._owner: str | None = None
@@ -262,6 +265,8 @@ class Attachment:
                 if actions is not None:
                     actions.count_step(out.total_num_scheduled_tokens)
                     actions.step_started(out)  # the step governor's prediction, the peak statistics reset
+                if self.admission is not None:
+                    self._step_started = time.perf_counter()
                 return out
             finally:
                 self._in_step -= 1
@@ -279,6 +284,10 @@ class Attachment:
                     request = get(rid)
                     if request is not None and request.num_computed_tokens - n >= request.num_prompt_tokens:
                         decode += n
+                if self.admission is not None and self._step_started:  # the model ran since schedule() returned
+                    total = scheduler_output.total_num_scheduled_tokens
+                    self.admission.timer.observe(total - decode, decode, time.perf_counter() - self._step_started)
+                    self._step_started = 0.0
                 result = orig(scheduler_output, *args, **kwargs)
                 tr.on_step(scheduler_output.total_num_scheduled_tokens, decode)
                 if self.actions is not None:
@@ -305,7 +314,10 @@ class Attachment:
 
         def free_request(request, *args, **kwargs):
             result = orig(request, *args, **kwargs)
-            tr.on_finish(request.request_id, outcome_of(request.status), request.num_output_tokens)
+            outcome = outcome_of(request.status)
+            tr.on_finish(request.request_id, outcome, request.num_output_tokens)
+            if self.admission is not None and outcome is Outcome.COMPLETED:
+                self.admission.observe_finished(request)
             return result
         return free_request
 

@@ -50,6 +50,7 @@ from kvguard.contracts.events import EventKind
 from kvguard.producers.sinks import make_sink, node_id_from_env, usable_node_id
 from kvguard.producers.torch_cuda import CudaMemoryObserver
 from kvguard.producers.vllm.actions import ExecutorEngine, VllmActions
+from kvguard.producers.vllm.admission import VllmAdmission, serve_endpoint_series
 from kvguard.producers.vllm.hooks import Attachment
 from kvguard.producers.vllm.plugin_governor import PluginGovernor
 from kvguard.producers.vllm.step_memory import prompt_logprobs_row_bytes
@@ -95,6 +96,7 @@ class PluginConfig:
     cuda_segments_every_s: float = 5.0
     logprobs_guard: bool = True  # the step governor on (plugin_governor); the logprob guard is one of its cases
     governor_margin_bytes: int = 256 << 20
+    endpoint_metrics_port: int = 0  # > 0: serve kvguard's router series on this port (producers.vllm.admission)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginConfig:
@@ -109,7 +111,8 @@ class PluginConfig:
                    cuda_segments_every_s=float(env.get("KVGUARD_CUDA_SEGMENTS_EVERY_S", 5.0)),
                    logprobs_guard=all(env.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
                                       for name in ("KVGUARD_GOVERNOR", "KVGUARD_LOGPROBS_GUARD")),
-                   governor_margin_bytes=int(env.get("KVGUARD_GOVERNOR_MARGIN_BYTES", 256 << 20)))
+                   governor_margin_bytes=int(env.get("KVGUARD_GOVERNOR_MARGIN_BYTES", 256 << 20)),
+                   endpoint_metrics_port=int(env.get("KVGUARD_ENDPOINT_METRICS_PORT", 0) or 0))
 
 
 # ---------------------------------------------------------------- the plugin per engine
@@ -177,7 +180,9 @@ class VllmPlugin:
                                                    emit=self._govern_row)
         self.memory = CudaMemoryObserver(self.translator, torch, stats_every_ms=self.config.cuda_stats_every_ms,
                                          segments_every_s=self.config.cuda_segments_every_s)
-        self.attachment = Attachment(scheduler, self.translator, actions=self.actions, memory=self.memory)
+        self.admission = VllmAdmission(scheduler)  # the router series' model (issue 29)
+        self.attachment = Attachment(scheduler, self.translator, actions=self.actions, memory=self.memory,
+                                     admission=self.admission)
         self.scheduler = scheduler
         self.executor_engine = ExecutorEngine(self.node, self.actions)
         self.closed = False
@@ -190,6 +195,8 @@ class VllmPlugin:
     def attach(self) -> VllmPlugin:
         self.attachment.attach()
         self.memory.install_oom_observer()
+        if self.config.endpoint_metrics_port > 0:
+            serve_endpoint_series(self.admission, self.config.endpoint_metrics_port, {"node": self.node})
         log.info("kvguard attached to vLLM: node %s, %d blocks of %d tokens, CUDA observer %s, sink %s",
                  self.node, self.geometry.dynamic_units, self.geometry.unit_tokens, self.memory.reason,
                  type(self.sink).__name__)

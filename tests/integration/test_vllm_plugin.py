@@ -392,3 +392,19 @@ def test_the_plugin_status_counts_steps_rows_and_batches():
     status = rig.plugin.status()
     assert status["steps"] == steps and status["batches"] == steps and status["rows"] > steps
     assert status["cuda"]["active"] is False and status["node"] == "test/gpu0"
+
+
+def test_the_plugin_feeds_the_admission_model_from_vllms_own_steps_and_finishes():
+    """Issue 29: step times and completed lengths reach the model the router series come from."""
+    rig = Rig()
+    for i in range(20):
+        rig.add(f"a{i}", 64 + 8 * i, max_tokens=5 + i % 3, priority=1 if i % 2 else 9)
+    steps = drive(rig, [])
+    admission = rig.plugin.admission
+    assert steps > 3 and len(admission.timer._rows) == steps  # one per model step
+    lengths = admission.model.lengths
+    assert sorted(lengths._by_class) == [1, 9]  # vLLM's priorities 1 and 9 are kvguard's 9 and 1
+    assert sum(len(q) for q in lengths._by_class.values()) == 20
+    assert set(lengths._by_class[9]) <= {5, 6, 7}
+    state = admission.state()
+    assert state.decision == 0 and state.saturation < 0.1  # drained: admits (the probe alone)

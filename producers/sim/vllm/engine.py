@@ -44,7 +44,11 @@ Divergences from vLLM 0.33 / PyTorch (besides those of the modules named above):
   (recompute: v1 has no swap), whatever handling was asked; ``set_admission_headroom`` raises
   vLLM's watermark (blocks kept free when a waiting request is admitted).
 - Priorities: kvguard's 0-10 (higher is more important) become vLLM's ``10 - p`` (lower is served
-  first); they matter only with the ``priority`` policy (vLLM's default is ``fcfs``).
+  first, ``producers.admission.vllm_priority``); they matter only with the ``priority`` policy (vLLM's
+  default is ``fcfs``).
+- Not vLLM: with ``VllmEngineConfig.admission`` kvguard's admission gate (``sim.vllm.admission_gate``)
+  decides each arrival vLLM would take, before ``add_request``: admitted, held outside the scheduler,
+  or refused (FINISH ``Outcome.REFUSED``, retryable, counted in ``refused``).
 - Prompts longer than ``max_model_len`` (or equal to it, or empty) are rejected at arrival and counted
   by reason, as vLLM's input processor does; nothing is truncated.
 - Events (``producers.sim.vllm.kv``): one unit per usable block (block ``b`` is offset ``b - 1``:
@@ -77,7 +81,17 @@ from kvguard.contracts.events import (
 from kvguard.contracts.pool_types import EvictResult, PageInfo
 from kvguard.contracts.units import DEFAULT_PRIORITY, NS_PER_S
 from kvguard.producers.sim.profile import Profile
-from kvguard.producers.sim.run import GRANULARITIES, RunningView, RunSummary, SeqState, slo_fields
+from kvguard.producers.sim.run import (
+    DEFAULT_SLO,
+    GRANULARITIES,
+    RunningView,
+    RunSummary,
+    SeqState,
+    SloTargets,
+    slo_fields,
+)
+from kvguard.producers.admission import AdmissionConfig, vllm_priority
+from kvguard.producers.sim.vllm.admission_gate import ShadowGate
 from kvguard.producers.sim.vllm.external import Leak, Neighbour
 from kvguard.producers.sim.vllm.fused import fused_decode
 from kvguard.producers.sim.vllm.governed import REJECTED_NEVER_FITS, SimGovernor
@@ -100,7 +114,7 @@ RETRYABLE_REASONS = (REJECTED_RESTARTING, REJECTED_QUEUE_REQS, REJECTED_QUEUE_TO
 _ARRIVE, _FINISH, _OOM, _RESET = int(EventKind.ARRIVE), int(EventKind.FINISH), int(EventKind.OOM), int(EventKind.RESET)
 _FILL, _STEP = int(EventKind.FILL), int(EventKind.STEP)
 _COMPLETED, _FAILED, _REJECTED = int(Outcome.COMPLETED), int(Outcome.FAILED_OOM), int(Outcome.REJECTED)
-_ABORTED, _NEVER_FITS = int(Outcome.ABORTED), int(Outcome.NEVER_FITS)
+_ABORTED, _REFUSED, _NEVER_FITS = int(Outcome.ABORTED), int(Outcome.REFUSED), int(Outcome.NEVER_FITS)
 
 
 @dataclass(slots=True)
@@ -121,6 +135,7 @@ class VllmEngineConfig:
     governor_margin_bytes: int = 256 << 20
     neighbour: Neighbour | None = None  # C4: another process on the GPU (external.Neighbour)
     leak: Leak | None = None  # C7: memory that is never returned (external.Leak)
+    admission: AdmissionConfig | None = None  # kvguard's admission gate (sim.vllm.admission_gate; issue 29)
 
 
 @dataclass(slots=True)
@@ -210,6 +225,10 @@ class VllmEngine:
         self._itl_values: list[int] = []  # inter-token gaps: (value, how many requests saw it)
         self._itl_counts: list[int] = []
         self.finish_listeners: list = []  # called with (request id, end ns, completed) (closed-loop clients)
+        self.refused = 0  # refused by the admission gate (Outcome.REFUSED, retryable)
+        self.served_priority: list[int] = []  # the priority of each ``served`` entry
+        self.requests_by_priority: Counter[int] = Counter()
+        self.gate = ShadowGate(self, self.config.admission) if self.config.admission is not None else None
         self.scheduler = self._new_scheduler()
         self.memory: WorkerMemory | None = None
         self._start_worker(0)
@@ -298,6 +317,8 @@ class VllmEngine:
 
     def _arrive(self, until_ns: int) -> None:
         rec = self.recorder
+        if self.gate is not None:
+            self.gate.release(self.now_ns, down=self.now_ns < self.down_until_ns)
         while self._arrivals and self._arrivals[0][0] <= until_ns:
             arrival_ns, _, r = heapq.heappop(self._arrivals)
             ts = max(arrival_ns, self.now_ns)
@@ -307,6 +328,7 @@ class VllmEngine:
                 self.priority_defaulted += 1
             priority = min(10, max(0, int(priority)))
             self.requests += 1
+            self.requests_by_priority[priority] += 1
             frac = self.config.prompt_logprobs_frac
             wants_logprobs = bool(frac) and mix_hash(r.req_id, self.seed) % 1_000_000 < frac * 1_000_000
             if wants_logprobs:
@@ -315,25 +337,44 @@ class VllmEngine:
             reason = REJECTED_RESTARTING if ts < self.down_until_ns else self._queue_full()
             if reason is None and self.governor is not None and \
                     self.governor.refuse(r.req_id, r.prompt_tokens, r.max_output_tokens, wants_logprobs, ts):
-                reason = REJECTED_NEVER_FITS
-            if reason is None:
-                keys = prompt_block_keys(r.block_hashes, HASH_BLOCK_TOKENS, self.block_size) if r.block_hashes else ()
-                refused = self.scheduler.add_request(r.req_id, num_prompt_tokens=r.prompt_tokens,
-                                                     max_tokens=max(1, r.max_output_tokens), arrival_ns=ts,
-                                                     priority=10 - priority, prompt_block_keys=keys)
-                reason = refused.value if refused is not None else None
-            if reason is not None:
-                self.rejected += 1
-                self.rejected_by_reason[reason] += 1
-                self._outstanding -= r.prompt_tokens + r.max_output_tokens
-                rec.row(_FINISH, ts, r.req_id, flags=_NEVER_FITS if reason == REJECTED_NEVER_FITS else _REJECTED,
-                        aux=refusal_code(reason))
-                self._notify(r.req_id, ts, False)
+                reason = REJECTED_NEVER_FITS  # the governor refuses never-fit first, then the admission gate
+            if reason is None and self.gate is not None and not self.scheduler._reject_reason(r.prompt_tokens):
+                self.gate.offer(r, ts, priority, wants_logprobs)
+                self._quiet = False
                 continue
-            self._reqs[r.req_id] = _Req(r.req_id, ts, r.prompt_tokens, r.max_output_tokens, priority)
-            if wants_logprobs:
-                self._prompt_logprobs.add(r.req_id)
-            self._quiet = False
+            if reason is None:
+                self._take_in(r, ts, priority, wants_logprobs)
+                continue
+            self._reject(r, ts, reason)
+
+    def _take_in(self, r: Request, ts: int, priority: int, wants_logprobs: bool) -> None:
+        """vLLM's ``add_request`` (kvguard's 0-10 priority as vLLM's, ``vllm_priority``), or its rejection."""
+        keys = prompt_block_keys(r.block_hashes, HASH_BLOCK_TOKENS, self.block_size) if r.block_hashes else ()
+        refused = self.scheduler.add_request(r.req_id, num_prompt_tokens=r.prompt_tokens,
+                                             max_tokens=max(1, r.max_output_tokens), arrival_ns=ts,
+                                             priority=vllm_priority(priority), prompt_block_keys=keys)
+        if refused is not None:
+            self._reject(r, ts, refused.value)
+            return
+        self._reqs[r.req_id] = _Req(r.req_id, ts, r.prompt_tokens, r.max_output_tokens, priority)
+        if wants_logprobs:
+            self._prompt_logprobs.add(r.req_id)
+        self._quiet = False
+
+    def _reject(self, r: Request, ts: int, reason: str) -> None:
+        self.rejected += 1
+        self.rejected_by_reason[reason] += 1
+        self._outstanding -= r.prompt_tokens + r.max_output_tokens
+        self.recorder.row(_FINISH, ts, r.req_id, flags=_NEVER_FITS if reason == REJECTED_NEVER_FITS else _REJECTED,
+                          aux=refusal_code(reason))
+        self._notify(r.req_id, ts, False)
+
+    def _refuse(self, r: Request, ts: int) -> None:
+        """The admission gate refused ``r`` (retryable; its ADMISSION row carries the Retry-After)."""
+        self.refused += 1
+        self._outstanding -= r.prompt_tokens + r.max_output_tokens
+        self.recorder.row(_FINISH, ts, r.req_id, flags=_REFUSED)
+        self._notify(r.req_id, ts, False)
 
     def _queue_full(self) -> str | None:
         """vLLM's admission caps (``AsyncLLM.check_admission``): unfinished requests + 1 over
@@ -450,7 +491,8 @@ class VllmEngine:
     def finish_listeners_waiting(self) -> bool:
         """Whether a closed-loop client waits for a finish to send its next request: a fused stretch must
         then end at the first finish (``fused._timeline`` treats it as a waiting request)."""
-        return any(getattr(listener, "waiting", False) for listener in self.finish_listeners)
+        return any(getattr(listener, "waiting", False) for listener in self.finish_listeners) or \
+            (self.gate is not None and len(self.gate.held) > 0)
 
     def _batch_extent(self, out) -> tuple[int, int]:
         """The step's longest query and longest sequence (its context after this step's tokens)."""
@@ -544,6 +586,9 @@ class VllmEngine:
             self._tpot_ns.append(tpot)
         self.served.append((info.first_token_ns - info.arrival_ns if info.first_token_ns >= 0 else end - info.arrival_ns,
                             tpot, generated))
+        self.served_priority.append(info.priority)
+        if self.gate is not None:
+            self.gate.observe_output(info.priority, generated)
         self._prompt_logprobs.discard(rid)
         self.records.append((rid, info.arrival_ns, info.first_token_ns, end, info.prompt_tokens, generated))
         self.recorder.row(_FINISH, end, rid, flags=_COMPLETED, tokens=generated)
@@ -764,16 +809,18 @@ class VllmEngine:
                       num_gpu_blocks=ledger.num_gpu_blocks, restarts=self.restarts)
         return totals
 
-    def summary(self) -> RunSummary:
+    def summary(self, slo: SloTargets = DEFAULT_SLO) -> RunSummary:
         sim_s = self.now_ns / NS_PER_S
         return RunSummary(
             requests=self.requests, completed=self.completed, failed=self.failed, rejected=self.rejected,
-            unfinished=len(self._reqs), ooms=self.ooms, preemptions=self.preemptions,
+            unfinished=len(self._reqs) + (len(self.gate.held) if self.gate is not None else 0), ooms=self.ooms,
+            preemptions=self.preemptions, refused=self.refused,
             ttft_p50_s=percentile_s(self._ttft_ns, 50), ttft_p99_s=percentile_s(self._ttft_ns, 99),
             tpot_p50_s=percentile_s(self._tpot_ns, 50), tpot_p99_s=percentile_s(self._tpot_ns, 99),
             goodput_tokens_per_s=round(self.goodput_tokens / sim_s, 3) if sim_s > 0 else 0.0,
             downtime_s=round(self.downtime_ns / NS_PER_S, 3), sim_seconds=round(sim_s, 3),
-            events=self.events_recorded, **slo_fields(self.served, self.requests, sim_s),
+            events=self.events_recorded, **slo_fields(self.served, self.requests, sim_s, slo,
+                                                      priorities=(self.served_priority, self.requests_by_priority)),
         )
 
 

@@ -238,10 +238,12 @@ def test_the_keda_scaled_object_scales_the_serving_deployment_on_the_served_flee
     serving = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "vllm-node.yaml").read_text()) if d]
     assert any(d["kind"] == target["kind"] == "Deployment" and d["metadata"]["name"] == target["name"]
                for d in serving)
-    (trigger,) = scaled["spec"]["triggers"]
+    trigger, saturation = scaled["spec"]["triggers"]  # the fleet risk; the gates' predicted saturation (issue 29)
     assert trigger["type"] == "prometheus" and trigger["metricType"] == "Value"
     assert "kvguard_fleet_risk" in trigger["metadata"]["query"]
     assert 0.0 < float(trigger["metadata"]["threshold"]) < 1.0
+    assert "kvguard_endpoint_saturation" in saturation["metadata"]["query"]
+    assert 0.0 < float(saturation["metadata"]["threshold"]) < 1.0
     state = ExportState()
     state.observe_tick(record(make_tick("a/gpu0", 10)), now_ns=0)
     assert served(state, "kvguard_fleet_risk")

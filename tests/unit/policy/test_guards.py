@@ -54,8 +54,8 @@ class Recorder(StatelessGuard):
 
 
 def test_the_table_names_each_guard_once_in_the_order_decide_runs_them():
-    assert [g.name for g in GUARDS] == ["contiguity", "structural", "headroom", "batch_cap"]
-    assert [g.phase for g in GUARDS] == [Phase.SIGNAL, Phase.SIGNAL, Phase.ACT, Phase.ACT]
+    assert [g.name for g in GUARDS] == ["contiguity", "structural", "headroom", "batch_cap", "storm"]
+    assert [g.phase for g in GUARDS] == [Phase.SIGNAL, Phase.SIGNAL, Phase.ACT, Phase.ACT, Phase.ACT]
     with pytest.raises(ValueError, match="registered twice"):
         _check((*GUARDS, BatchCap))
     with pytest.raises(ValueError, match="registered twice"):

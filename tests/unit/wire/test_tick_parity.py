@@ -103,6 +103,6 @@ def test_a_tick_round_trips_through_the_wire_model_field_by_field():
     values = {f.name: i + 1 for i, f in enumerate(fields(Tick))}
     floats = {n for n, t in get_type_hints(Tick).items() if t in (float, float | None)}
     tick = Tick(**(values | {n: 0.5 for n in floats} | {"node": "n/gpu0", "synced": False, "partial": True,
-                                                          "u_kv_forecast": [0.25],
+                                                          "u_kv_forecast": [0.25], "endpoint_admit": 1,
                                                           "candidates": [TickCandidate(7, 3, 4, 16, 9, 1, 8, 4, 2)]}))
     assert MetricTick.model_validate(tick.to_dict() | {"schema": "1.0"}).to_tick() == tick

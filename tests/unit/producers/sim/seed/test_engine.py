@@ -12,7 +12,8 @@ from kvguard.wire.eventlog import write_event_log
 
 SUMMARY_FIELDS = ["requests", "completed", "failed", "rejected", "unfinished", "ooms", "preemptions", "ttft_p50_s", "ttft_p99_s",
                   "tpot_p50_s", "tpot_p99_s", "goodput_tokens_per_s", "downtime_s", "sim_seconds", "events",
-                  "slo_met", "slo_attainment", "slo_goodput_tokens_per_s", "ttft_p99_all_s"]
+                  "slo_met", "slo_attainment", "slo_goodput_tokens_per_s", "ttft_p99_all_s", "refused", "slo",
+                  "slo_attainment_by_priority"]
 
 
 def tiny_profile(dynamic_units=2000, *, page_class_tokens=(4, 64), activation_bytes_per_token=1024,
