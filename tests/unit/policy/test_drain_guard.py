@@ -71,7 +71,7 @@ def test_at_most_max_draining_nodes_out_at_once():
 
 def test_a_drain_that_never_empties_is_given_up():
     g = DrainRestartGuard(DrainRestartConfig(p_threshold=0.5, min_up_s=0, drain_timeout_s=100))
-    acts = leaking(g, "a", 0, 1400, p_from=1000)
+    acts = leaking(g, "a", 0, 1300, p_from=1000)
     assert [a.kind for a in acts] == [DRAIN, UNDRAIN, DRAIN]
     assert g.counters.given_up == 1
     assert acts[1].ts_ns - acts[0].ts_ns == 100 * S  # given up after drain_timeout_s
