@@ -163,7 +163,7 @@ class TrendPredictor:
         return self.score_derived(d).astype(np.float32), np.zeros((len(d), 0), dtype=np.float32)
 
 
-def paths(path: str | Path, stem: str = "oom_trend") -> tuple[Path, Path]:
+def paths(path: str | Path, stem: str = "oom_trees") -> tuple[Path, Path]:
     p = Path(path)
     if p.is_dir():
         p = p / stem

@@ -270,3 +270,106 @@ def time_to_exhaustion(ts_s: np.ndarray, used: np.ndarray, capacity: float, *, z
         return min(horizon_cap_s, gap / slope) if slope > 0 else float("inf")
 
     return at(b), at(b + z * se), at(b - z * se)
+
+
+# -- the shipped trend model -------------------------------------------------------------------------------
+
+def target_dataset(ds: TickDataset, target: str) -> TickDataset:
+    """``ds`` labelled for ``target``: ``oom`` (as built) or ``storm`` (``trend.storm_dataset``)."""
+    if target == "oom":
+        return ds
+    if target == "storm":
+        from kvguard.ml.trend import storm_dataset
+
+        return storm_dataset(ds)
+    raise ValueError(f"target {target!r}: expected oom or storm")
+
+
+def train_trend_model(ds: TickDataset, *, target: str = "oom", seed: int = 0, X: np.ndarray | None = None,
+                      window_ticks: int = DEFAULT_TREND_WINDOW_TICKS):
+    """Fit the trend trees for ``target`` on the train runs' scored ticks, threshold FPR <= 5 % on the val
+    runs', export to arrays and check the export against scikit-learn; a ``streams.trend_model.TrendPredictor``."""
+    import datetime as _dt
+
+    import sklearn
+
+    from kvguard.ml.tick_training import export_trees
+    from kvguard.streams.trend_model import TrendModelMetadata, TrendPredictor
+
+    ds = target_dataset(ds, target)
+    X = derived_matrix(ds, window_ticks) if X is None else X
+    train = ds.scored_rows_in("train")
+    if not 0 < int(ds.labels[train].sum()) < len(train):
+        raise ValueError(f"target {target}: the train split needs positive and negative scored ticks")
+    est = fit("trend_trees", X, ds.labels, train, seed)
+    s = proba(est, X)
+    thr = calibrate(s, ds) if len(ds.scored_rows_in("val")) else float(threshold_for_fpr(ds.labels[train], s[train]))
+    trees, baseline, depth = export_trees(est)
+    meta = TrendModelMetadata(
+        feature_names=list(ds.feature_names), threshold=thr, baseline=baseline, max_depth=depth, target=target,
+        window_ticks=window_ticks, tick_s=float(ds.tick_s), horizon_s=float(ds.horizon_s),
+        version=f"trend-{target}-{_dt.date.today().isoformat()}-s{seed}",
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        trained_with=f"scikit-learn {sklearn.__version__} {est!r}",
+        training={"runs": [{k: r.get(k) for k in ("key", "workload", "seed", "split", "leak", "neighbour", "ramp",
+                                                  "ooms", "ticks", "positive_ticks")} for r in ds.runs],
+                  "summary": ds.summary(), "seed": seed,
+                  "calibration": "FPR <= 5 % on the scored ticks of the val runs"},
+        metrics={"trees": int(len(trees.roots)), "nodes": int(len(trees.feature)), "max_depth": depth})
+    predictor = TrendPredictor(trees, meta)
+    sample = X[train[:20000]]
+    want, got = proba(est, sample), predictor.score_derived(sample)
+    if len(sample) and not np.allclose(want, got, rtol=1e-9, atol=1e-9):
+        raise AssertionError(f"the exported trees disagree with scikit-learn (max |dp| {float(np.abs(want - got).max()):.3g})")
+    return predictor
+
+
+def _subset(ds: TickDataset, split: str) -> TickDataset:
+    """``ds`` with every run relabelled into ``split`` (simulated eval runs are all held out)."""
+    from kvguard.ml.dataset import assemble
+
+    runs: dict[int, list] = {}
+    for s in range(ds.n_sequences):
+        runs.setdefault(int(ds.seq_run[s]), []).append(ds.sequence(s))
+    return assemble(ds.feature_names, [(dict(ds.runs[r], split=split), seqs) for r, seqs in sorted(runs.items())],
+                    horizon_s=ds.horizon_s, tick_s=ds.tick_s, inputs=ds.inputs, duplicates=ds.duplicates)
+
+
+def targets_block(ds: TickDataset, predictors: dict, *, split: str = "test", calib: TickDataset | None = None,
+                  bootstrap: int = 200) -> dict:
+    """Per target, the shipped model's figures and the untrained baselines' on ``split`` of ``ds``.
+
+    ``predictors``: target -> ``TrendPredictor`` (its own calibrated threshold). The baselines take
+    their thresholds from ``calib``'s val runs (a dataset from ``kvguard dataset --preset trend``),
+    else from these very ticks (FPR <= 5 %; optimistic, said in ``baseline_thresholds``)."""
+    out = {}
+    for target, predictor in predictors.items():
+        tds = target_dataset(ds, target)
+        X = derived_matrix(tds, predictor.window_ticks)
+        rows = tds.scored_rows_in(split)
+        block: dict = {"model": {"version": predictor.metadata.version, "kind": predictor.metadata.kind}}
+        s = predictor.score_derived(X)
+        block["shipped"] = score_one(tds, s, predictor.threshold, split, bootstrap)
+        cal = target_dataset(calib, target) if calib is not None else None
+        cal_scores = baseline_scores(cal) if cal is not None else {}
+        for name, b in {**baseline_scores(tds), **tier_scores(tds)}.items():
+            if name in ("threshold", "slope"):
+                thr = 0.5
+            elif cal is not None:
+                thr = calibrate(cal_scores[name], cal)
+            else:
+                thr = float(threshold_for_fpr(tds.labels[rows], b[rows], 0.05)) if len(rows) else 0.5
+            block[name] = score_one(tds, b, thr, split, bootstrap)
+        block["baseline_thresholds"] = ("FPR <= 5 % on the val runs of the calibration dataset" if cal is not None
+                                        else "FPR <= 5 % on these same ticks (optimistic for the baselines)")
+        block["storm_definition"] = None if target != "storm" else _storm_definition()
+        block["positive_ticks"] = int(tds.labels[rows].sum()) if len(rows) else 0
+        out[target] = block
+    return out
+
+
+def _storm_definition() -> str:
+    from kvguard.ml.trend import STORM_PER_MIN, STORM_WINDOW_S
+
+    return (f">= {STORM_PER_MIN:g} preemptions a minute over a trailing {STORM_WINDOW_S:g} s on one GPU "
+            f"(kvguard.ml.trend.storm_episodes)")
