@@ -215,8 +215,8 @@ def evaluate_target(ds: TickDataset, X: np.ndarray, *, split: str = "test", boot
 
 def lowo(ds: TickDataset, X: np.ndarray, *, bootstrap: int = 0) -> dict:
     """Leave one workload out: for each workload, the trend trees fitted on every other workload's
-    train/val ticks (threshold from the other workloads' val runs, else their train runs), scored on
-    all of the left-out workload's runs."""
+    train ticks (threshold from the other workloads' val runs, else their train runs), scored on all
+    of the left-out workload's runs (whatever their split)."""
     runs_w = np.array([ds.runs[int(ds.seq_run[s])]["workload"] for s in range(ds.n_sequences)])
     rows_of = [np.arange(ds.seq_offsets[s], ds.seq_offsets[s + 1]) for s in range(ds.n_sequences)]
     scored = ds.scored
@@ -225,6 +225,8 @@ def lowo(ds: TickDataset, X: np.ndarray, *, bootstrap: int = 0) -> dict:
         fit_seqs = [s for s in range(ds.n_sequences) if runs_w[s] != w and ds.split_of(s) == "train"]
         cal_seqs = [s for s in range(ds.n_sequences) if runs_w[s] != w and ds.split_of(s) == "val"] or fit_seqs
         test_seqs = [s for s in range(ds.n_sequences) if runs_w[s] == w]
+        if not fit_seqs:
+            continue
         fr = np.concatenate([rows_of[s] for s in fit_seqs])
         fr = fr[scored[fr]]
         if not 0 < int(ds.labels[fr].sum()) < len(fr):
@@ -373,3 +375,70 @@ def _storm_definition() -> str:
 
     return (f">= {STORM_PER_MIN:g} preemptions a minute over a trailing {STORM_WINDOW_S:g} s on one GPU "
             f"(kvguard.ml.trend.storm_episodes)")
+
+
+# -- time to exhaustion, measured -----------------------------------------------------------------------
+
+def exhaustion_level(ds: TickDataset, split: str = "train", column: str = "nonkv_reserved") -> float:
+    """The ``column`` level the engine's memory had reached on the last tick before each growth OOM of
+    ``split`` (median): the capacity the time-to-exhaustion line is extrapolated to. The allocator's
+    reserved share outside the KV pool is what a leak fills; the level is a property of the profile
+    (its gpu_memory_utilization and activation peak), calibrated on the train runs."""
+    y = series(ds, column)
+    levels = []
+    for s in ds.sequences_in(split):
+        run = ds.runs[int(ds.seq_run[s])]
+        if not run.get("leak"):
+            continue
+        a = int(ds.seq_offsets[s])
+        seq = ds.sequence(s)
+        for t in seq.oom_ts_ns:
+            k = int(np.searchsorted(seq.ts_ns, t, side="left")) - 1
+            if k >= 0:
+                levels.append(y[a + k])
+    return float(np.median(levels)) if levels else float("nan")
+
+
+def tte_evaluation(ds: TickDataset, capacity: float, *, split: str = "test", window_s: float = 900.0,
+                   column: str = "nonkv_reserved", max_lead_s: float = 1800.0) -> dict:
+    """On ``split``'s leak runs, every scored tick up to ``max_lead_s`` before a growth OOM: the
+    estimate's error against the true time to that OOM and the share of ticks whose interval holds it."""
+    y = series(ds, column)
+    k = int(round(window_s / ds.tick_s))
+    errors, covered, n = [], 0, 0
+    by_band: dict[str, list[float]] = {}
+    for s in ds.sequences_in(split):
+        if not ds.runs[int(ds.seq_run[s])].get("leak"):
+            continue
+        a = int(ds.seq_offsets[s])
+        seq = ds.sequence(s)
+        down, censored = seq.masks(ds.horizon_s)
+        scored = ~(down | censored)
+        ts_s = seq.ts_ns / NS_PER_S
+        for i in range(len(seq.ts_ns)):
+            nxt = seq.oom_ts_ns[seq.oom_ts_ns > seq.ts_ns[i]]
+            if not len(nxt) or not scored[i] and not censored[i]:
+                continue
+            truth = (nxt[0] - seq.ts_ns[i]) / NS_PER_S
+            if truth > max_lead_s:
+                continue
+            lo_i = i - k + 1
+            if lo_i < 0:
+                continue
+            if len(seq.oom_ts_ns[(seq.oom_ts_ns > seq.ts_ns[lo_i]) & (seq.oom_ts_ns <= seq.ts_ns[i])]):
+                continue  # the window spans a restart
+            est, lo, hi = time_to_exhaustion(ts_s[lo_i:i + 1], y[a + lo_i:a + i + 1], capacity)
+            n += 1
+            errors.append(est - truth)
+            covered += int(lo <= truth <= hi)
+            band = "0-300s" if truth <= 300 else "300-900s" if truth <= 900 else "900-1800s"
+            by_band.setdefault(band, []).append(abs(est - truth) / max(truth, 1.0))
+    if not n:
+        return {"ticks": 0}
+    e = np.asarray(errors)
+    finite = np.isfinite(e)
+    return {"ticks": n, "capacity": round(capacity, 5), "window_s": window_s,
+            "median_abs_error_s": round(float(np.median(np.abs(e[finite]))), 1) if finite.any() else None,
+            "median_error_s": round(float(np.median(e[finite])), 1) if finite.any() else None,
+            "interval_coverage": round(covered / n, 4), "never_estimated": int((~finite).sum()),
+            "median_relative_error_by_truth": {b: round(float(np.median(v)), 3) for b, v in sorted(by_band.items())}}
