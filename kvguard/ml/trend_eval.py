@@ -250,7 +250,8 @@ def lowo(ds: TickDataset, X: np.ndarray, *, bootstrap: int = 0) -> dict:
 def time_to_exhaustion(ts_s: np.ndarray, used: np.ndarray, capacity: float, *, z: float = 1.96,
                        horizon_cap_s: float = 86400.0) -> tuple[float, float, float]:
     """(estimate, low, high) seconds until ``used`` reaches ``capacity`` on the least-squares line through
-    the points; the interval from the slope's standard error (slope ± z·se), capped at
+    the points; the interval from the slope's standard error (slope ± z·se, widened for the residuals'
+    lag-1 autocorrelation), capped at
     ``horizon_cap_s`` (inf: not rising). Pure: the worker can run it on the allocator layer's series."""
     t = np.asarray(ts_s, dtype=np.float64)
     y = np.asarray(used, dtype=np.float64)
@@ -264,6 +265,11 @@ def time_to_exhaustion(ts_s: np.ndarray, used: np.ndarray, capacity: float, *, z
     a = y.mean() + b * (t[-1] - t.mean())  # the line's value now
     resid = y - (y.mean() + b * tc)
     se = float(np.sqrt(max((resid ** 2).sum() / max(len(t) - 2, 1), 0.0) / sxx))
+    # residuals of a memory series are autocorrelated (a segment stays reserved for many ticks): the
+    # slope's standard error grows by sqrt((1 + rho) / (1 - rho)) for a lag-1 correlation rho
+    if len(resid) > 3 and float((resid ** 2).sum()) > 0:
+        rho = float(np.clip((resid[1:] * resid[:-1]).sum() / (resid ** 2).sum(), 0.0, 0.95))
+        se *= float(np.sqrt((1 + rho) / (1 - rho)))
     gap = capacity - a
     if gap <= 0:
         return 0.0, 0.0, 0.0
