@@ -7,51 +7,20 @@ Per tick and node:
    async = once per scan interval, predictive = every tick but only on the forecast) and whether
    its trigger fires (``trigger_reason``). EMERGENCY acts on every tick, evicts whole requests
    picked by recovery cost, and holds a larger admission headroom (its U_kv target is lower).
-3. Independent of the strategy, a structural guard fires when the largest free run is shorter
-   than one full engine step needs (its workspace buffer and a largest-class page): that is the
-   fragmentation OOM about to happen, and compaction is cheap. When the node's fragmentation
-   budget is running low, F_ext above the budget's line triggers compaction as well.
+3. Independent of the strategy, the signal guards (``policy.guards.structural``) look at the
+   KV layer's free space: the contiguity forecast (a risk) and the structural guard (a cause to
+   compact: the fragmentation OOM about to happen, a scattered free space, or F_ext above the
+   fragmentation budget's line while the budget runs low).
 4. ``planner.plan`` says how much to free and from whom; the engine turns the plan into
    commands with idempotency ids derived from (node, tick time, action, position), signed.
-5. Admission headroom: an engine admits (and re-admits evicted requests) as soon as its
-   free-space count allows, and fills its KV region to its own small watermark; within one
-   10-second tick the running requests' growth then takes the last free units, and a step's
-   workspace finds no contiguous run: the fragmentation OOM, and after it the restart backlog
-   that makes the next one likelier. So while a node is busy (U_kv ≥ ``headroom_from_u_kv``) or
-   at risk (any trigger, the structural guard, EMERGENCY, an OOM, or a contiguity forecast that
-   fails) the engine asks the node to hold
-   back from admission what the mode's strategy wants free: ``(1 - target_u_kv)·D`` minus the
-   engine's own reserve. The strategy's U_kv target is thereby enforced where the memory is
-   handed out, instead of by evicting the same requests again every tick. After
-   ``headroom_calm_ticks`` calm ticks the hold is released. It is a level, not a delta, so a
-   repeated or reordered command does no harm.
-   The engine's admission check looks only at a request's first prefill chunk; a long prompt
-   admitted into a node with less free space than the whole prompt then fills the node during
-   its own prefill, a few seconds after admission, and the next step's workspace finds no
-   contiguous run (on the shadow engine's ``mixed`` stress, the guarded OOMs were all of this
-   kind, with a U_kv-sized hold in place). So the hold is at least the largest prompt seen on
-   any node within ``prompt_horizon_s`` (from the candidates' ``prompt_tokens``) plus
-   ``prompt_safety_runs`` run requirements, minus the engine's own reserve, capped at
-   ``max_headroom_frac`` of D: whatever the engine admits then still fits whole, with one
-   step's workspace to spare. The policy learns the size from the traffic, not from a constant.
-   This part of the hold is not released on calm ticks (only when the prompt ages out of the
-   horizon): the burst it guards against lands on a calm node within one tick (measured: a
-   node released after 300 calm seconds crashed 64 s later), and on a calm node it costs
-   nothing, since admission only feels it once the node is ~55 % full.
-6. Allocator guard (``allocator_guard``, on for vLLM-engine profiles): a CUDA OOM on such a node
-   comes from PyTorch's caching allocator, not from the KV blocks (a KV shortage preempts), and
-   its transient peak grows with the tokens of one step (activations, and the logits of requests
-   asking for prompt logprobs, which vLLM's profiling run does not count: vllm#5907). When the
-   node shows allocator pressure — an OOM, a malloc retried after releasing cached blocks
-   (``alloc_retries``), or P(OOM) at the strategy's threshold — the engine caps the per-step
-   token budget at ``batch_cap_tokens`` (vLLM's ``max_num_batched_tokens``, lowered between
-   steps by the plugin; ``batch_cap`` command), and releases it after ``batch_cap_calm_ticks``
-   ticks without pressure. The count survives a restart of the node (an OOM restarts it): the
-   cap is re-sent to the fresh engine.
-7. Compaction trigger (the "fragmentation" trigger of docs/ARCHITECTURE.md "Policy", read on the real need): when the
-   largest free run falls under ``planner.compact_run_factor`` run requirements while the free
-   space in total is at least that, the structural guard fires and the plan compacts (no
-   eviction: free space suffices, it is only scattered).
+5. The acting guards propose what the plan does not: the admission hold
+   (``policy.guards.headroom``: while the node is busy or at risk, hold back from admission what
+   the strategy wants free, and room for the largest prompt seen) and the allocator guard
+   (``policy.guards.batch_cap``: cap the per-step token budget under caching-allocator pressure).
+
+Guards are small units that each own their per-node state, run in the order of one table
+(``policy.guards.registry``; protocol in ``policy.guards.base``). A restarted node (a newer producer
+epoch) has each guard's ``restart`` called, a forgotten one each guard's ``forget``.
 
 Canary rollout (``policy.canary``, off by default): with a ``Canary`` the strategy is per node,
 ``strategy_for(mode, node)``: the candidate on the candidate's nodes in the canary's mode, the
@@ -63,15 +32,14 @@ Pure and deterministic: time is the tick's event time, no clock, no I/O. The ser
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from kvguard.contracts.commands import (
     Action,
-    BatchCapPayload,
     Command,
     CompactPayload,
     EvictPayload,
-    HeadroomPayload,
     Mode,
     Payload,
     ReclaimPayload,
@@ -82,8 +50,11 @@ from kvguard.contracts.commands import (
 from kvguard.contracts.tick import Tick
 from kvguard.contracts.units import NS_PER_S
 from kvguard.policy.canary import Canary
+from kvguard.policy.guards.base import Guard, Observation, Phase, Placement, Proposal
+from kvguard.policy.guards.headroom import AdmissionHeadroom
+from kvguard.policy.guards.registry import GUARDS
 from kvguard.policy.modes import ModeChange, ModeConfig, ModeTracker
-from kvguard.policy.planner import CostModel, NodeView, Plan, PlannerConfig, compaction_run_units, plan, view_from_tick
+from kvguard.policy.planner import CostModel, NodeView, Plan, PlannerConfig, plan, view_from_tick
 from kvguard.policy.strategy import DEFAULT, EMERGENCY, Strategy, Timing, Trigger
 
 
@@ -160,7 +131,8 @@ class EngineCounters:
 
 
 class PolicyEngine:
-    def __init__(self, config: EngineConfig, secret: bytes, canary: Canary | None = None) -> None:
+    def __init__(self, config: EngineConfig, secret: bytes, canary: Canary | None = None, *,
+                 guards: Sequence[type[Guard]] = GUARDS) -> None:
         self.config = config
         self.secret = secret
         self.canary = canary
@@ -168,14 +140,29 @@ class PolicyEngine:
         self.counters = EngineCounters()
         self._last_scan_ns: dict[str, int] = {}
         self._recent: dict[str, dict[int, int]] = {}
-        self._held: dict[str, tuple[int, int]] = {}  # node -> (units held, ts_ns of the last command)
-        self._calm: dict[str, int] = {}
         self._last_ts: dict[str, int] = {}  # node -> ts_ns of the last tick decided on (least recent first)
         self._epoch: dict[str, int] = {}  # node -> producer epoch of the last tick decided on
         self._confirmed: dict[str, bool] = {}  # node -> its epoch was seen on a second tick
-        self._prompt_max: dict[int, int] = {}  # minute of event time -> largest prompt seen (units)
-        self._cap: dict[str, tuple[int, int]] = {}  # node -> (cap sent, ts_ns it was sent); not sent: absent
-        self._cap_calm: dict[str, int] = {}  # node -> ticks since allocator pressure (kept over restarts)
+        # the guards (policy.guards.registry), each with its own per-node state
+        self.guards: tuple[Guard, ...] = tuple(cls(config) for cls in guards)
+        self._by_name: dict[str, Guard] = {g.name: g for g in self.guards}
+        if len(self._by_name) != len(self.guards):
+            raise ValueError(f"policy guards registered twice: {[g.name for g in self.guards]}")
+        # the hold's helpers below answer from the registered one (a table without it: one never run)
+        self._headroom_guard = next((g for g in self.guards if isinstance(g, AdmissionHeadroom)), None) or \
+            AdmissionHeadroom(config)
+
+    def guard(self, name: str) -> Guard:
+        """This engine's instance of the registered guard ``name`` (KeyError: none registered)."""
+        return self._by_name[name]
+
+    @property
+    def _held(self) -> dict[str, tuple[int, int]]:  # the admission hold's per-node state
+        return self._headroom_guard.held
+
+    @property
+    def _calm(self) -> dict[str, int]:
+        return self._headroom_guard.calm
 
     def strategy_for(self, mode: Mode, node: str | None = None) -> Strategy:
         """The mode's strategy; with a canary and a node, the one the canary gives that node."""
@@ -236,22 +223,25 @@ class PolicyEngine:
         while len(self._last_ts) > self.config.max_nodes:
             self.forget(next(iter(self._last_ts)), idle=False)
         self.counters.ticks += 1
-        self._note_prompts(view)
         change = self.modes.observe(view)
         if change:
             self.counters.mode_changes += 1
         mode = self.modes.mode(view.node)
         strategy = self.strategy_for(mode, view.node)
         decision = Decision(view.node, view.ts_ns, mode, strategy.variant, mode_change=change)
-        risk = self._contiguity_risk(view)
-        guard = self._structural_guard(view, budget_remaining_frac)
+        seen = Observation(view, mode, strategy, budget_remaining_frac)
+        risk = guard = None
+        for signal in self.guards:
+            if signal.phase is Phase.SIGNAL:
+                found = signal.observe(seen)
+                risk, guard = risk or found.risk, guard or found.cause
         trigger = trigger_reason(view, strategy, self.config.forecast_step_s, risk) if self._due(view, strategy) else None
         reason = trigger or guard
         the_plan = Plan()
         if reason is not None:
             self.counters.triggered += 1
             recent = self._recent_victims(view)
-            # the guard alone compacts (and frees only a shortfall of free space); a trigger also
+            # a cause alone compacts (and frees only a shortfall of free space); a trigger also
             # brings U_kv and the trajectory back under the strategy's targets
             the_plan = plan(view, strategy, self.config.planner, self.config.cost, reason=reason,
                             exclude=frozenset(recent), relieve=trigger is not None)
@@ -265,10 +255,15 @@ class PolicyEngine:
             f"busy: u_kv {view.u_kv:.2f} >= {self.config.headroom_from_u_kv}"
             if view.u_kv >= self.config.headroom_from_u_kv else None)
         decision.reason, decision.plan = at_risk, the_plan
-        headroom = self._headroom(view, mode, at_risk)
-        cap, cap_reason = self._batch_cap(view, strategy)
-        decision.commands = self._commands(view, strategy, mode, the_plan, headroom, at_risk or "pressure fell",
-                                           epoch, cap=cap, cap_reason=cap_reason)
+        seen = replace(seen, risk=risk, reason=reason, at_risk=at_risk, plan=the_plan)
+        before: list[Proposal] = []
+        after: list[Proposal] = []
+        for acting in self.guards:
+            if acting.phase is Phase.ACT:
+                found = acting.observe(seen)
+                (before if acting.placement is Placement.BEFORE_PLAN else after).extend(found.proposals)
+        decision.commands = self._commands(view, strategy, mode, the_plan, at_risk or "pressure fell", epoch,
+                                           before=before, after=after)
         if any(c.action not in (Action.HEADROOM, Action.BATCH_CAP) for c in decision.commands):
             self.modes.note_action(view.node, view.ts_ns)
         return decision
@@ -281,7 +276,8 @@ class PolicyEngine:
         self._restart(node, count=False)
         self._epoch.pop(node, None)
         self._confirmed.pop(node, None)
-        self._cap_calm.pop(node, None)
+        for g in self.guards:
+            g.forget(node)
         if idle:
             self.counters.nodes_evicted_idle += 1
         else:
@@ -293,115 +289,26 @@ class PolicyEngine:
         clock, with no hold in place on its fresh engine."""
         self.counters.restarts += count
         self.modes.forget(node)
-        for per_node in (self._last_ts, self._last_scan_ns, self._recent, self._held, self._calm, self._cap):
+        for per_node in (self._last_ts, self._last_scan_ns, self._recent):
             per_node.pop(node, None)
-
-    def _contiguity_risk(self, view: NodeView) -> str | None:
-        """The tick's own forecast: will the next full step find one contiguous run?"""
-        required = self.config.planner.required_run_units
-        if not required:
-            return None
-        wanted = required * (1 + self.config.planner.run_margin)
-        if view.largest_free_run_units < wanted:
-            return f"largest free run {view.largest_free_run_units} < {wanted:.0f} units one full step needs"
-        room = view.free_units - view.pending_prefill_units
-        if room < wanted:
-            return (f"queued prefills ({view.pending_prefill_units} units) would leave {room} free units, "
-                    f"under the {wanted:.0f} one full step needs")
-        return None
+        for g in self.guards:
+            g.restart(node)
 
     def headroom_units(self, mode: Mode, node: str | None = None) -> int:
         """The admission hold in ``mode`` (on ``node``'s strategy): ``(1 - target_u_kv)`` of D free,
         or room for the largest prompt seen (plus one run requirement) when that is more, capped."""
-        d = self.config.dynamic_units or 0
-        target = self.strategy_for(mode, node).target_u_kv
-        return max(int((1.0 - target) * d) - self.config.engine_reserve_units, self.prompt_hold_units())
+        return self._headroom_guard.hold_units(self.strategy_for(mode, node).target_u_kv)
 
     def prompt_hold_units(self) -> int:
         """The hold that lets the largest prompt seen land whole with one run requirement to
         spare (0 when off or nothing seen), capped at ``max_headroom_frac`` of D."""
-        if not (self.config.prompt_headroom and self._prompt_max):
-            return 0
-        d = self.config.dynamic_units or 0
-        required = self.config.planner.required_run_units
-        by_prompt = max(self._prompt_max.values()) + int(self.config.prompt_safety_runs * required)
-        return max(0, min(by_prompt, int(self.config.max_headroom_frac * d)) - self.config.engine_reserve_units)
+        return self._headroom_guard.prompt_hold_units()
 
     def largest_prompt_units(self) -> int:
         """The largest prompt (units) seen within ``prompt_horizon_s`` (0: none yet)."""
-        return max(self._prompt_max.values(), default=0)
-
-    def _note_prompts(self, view: NodeView) -> None:
-        minute = view.ts_ns // (60 * NS_PER_S)
-        horizon = int(self.config.prompt_horizon_s // 60)
-        for old in [m for m in self._prompt_max if m < minute - horizon]:
-            del self._prompt_max[old]
-        unit = max(1, self.config.unit_tokens)
-        largest = max((-(-c.prompt_tokens // unit) for c in view.candidates), default=0)
-        if largest > self._prompt_max.get(minute, 0):
-            self._prompt_max[minute] = largest
-
-    def _headroom(self, view: NodeView, mode: Mode, risk: str | None) -> int | None:
-        """The admission hold to command now, or None to leave it as it is."""
-        if not self.config.use_headroom or not self.config.dynamic_units:
-            return None
-        held, last_ns = self._held.get(view.node, (0, view.ts_ns))
-        if risk:
-            self._calm[view.node] = 0
-            want = self.headroom_units(mode, view.node)
-        else:
-            self._calm[view.node] = self._calm.get(view.node, 0) + 1
-            # calm: the strategy's part is released; the prompt-sized part stays, since the
-            # burst it guards against lands on a calm node within one tick
-            want = self.prompt_hold_units() if self._calm[view.node] >= self.config.headroom_calm_ticks else held
-        stale = view.ts_ns - last_ns >= self.config.headroom_refresh_s * NS_PER_S
-        if want == held and not (held and stale):
-            return None
-        self._held[view.node] = (want, view.ts_ns)
-        return want
-
-    def _batch_cap(self, view: NodeView, strategy: Strategy) -> tuple[int | None, str]:
-        """The token cap to command now (0 releases), or None to leave it as it is; and why."""
-        cfg = self.config
-        if not (cfg.allocator_guard and cfg.batch_cap_tokens > 0):
-            return None, ""
-        pressure = None
-        if view.ooms:
-            pressure = f"{view.ooms} allocator OOM(s) in the last tick"
-        elif view.alloc_retries:
-            pressure = f"{view.alloc_retries} allocator retries (cached blocks released to serve a malloc)"
-        elif (cfg.batch_cap_on_prediction and view.p_oom is not None and strategy.use_prediction
-              and view.p_oom >= strategy.p_oom_threshold):
-            pressure = f"P(OOM in 5 min) {view.p_oom:.2f} >= {strategy.p_oom_threshold}"
-        calm = 0 if pressure else self._cap_calm.get(view.node, cfg.batch_cap_calm_ticks) + 1
-        self._cap_calm[view.node] = calm
-        want = cfg.batch_cap_tokens if calm < cfg.batch_cap_calm_ticks else 0
-        sent = self._cap.get(view.node)
-        stale = sent is not None and sent[0] and view.ts_ns - sent[1] >= cfg.headroom_refresh_s * NS_PER_S
-        if (sent is None and not want) or (sent is not None and sent[0] == want and not stale):
-            return None, ""
-        self._cap[view.node] = (want, view.ts_ns)
-        why = pressure or (f"allocator pressure {calm} tick(s) ago" if want else
-                           f"{calm} ticks without allocator pressure: cap released")
-        return want, f"token budget {want or 'restored'}: {why}"
+        return self._headroom_guard.largest_prompt_units()
 
     # -- when to act -------------------------------------------------------------------------
-
-    def _structural_guard(self, view: NodeView, budget_remaining_frac: float | None) -> str | None:
-        required = self.config.planner.required_run_units
-        if required and view.largest_free_run_units < required * (1 + self.config.planner.run_margin):
-            return (f"largest free run {view.largest_free_run_units} < "
-                    f"{required * (1 + self.config.planner.run_margin):.0f} units one full step needs")
-        compact_below = compaction_run_units(self.config.planner)
-        if required and view.largest_free_run_units < compact_below <= view.free_units:
-            return (f"fragmented: largest free run {view.largest_free_run_units} < {compact_below} units "
-                    f"({self.config.planner.compact_run_factor:g}x one full step's need), "
-                    f"{view.free_units} free in total")
-        if (budget_remaining_frac is not None and budget_remaining_frac <= self.config.budget_low_frac
-                and view.f_ext > self.config.budget_f_ext):
-            return (f"fragmentation budget low ({budget_remaining_frac:.0%} left) and "
-                    f"f_ext {view.f_ext:.2f} > {self.config.budget_f_ext}")
-        return None
 
     def _due(self, view: NodeView, strategy: Strategy) -> bool:
         if strategy.timing is not Timing.ASYNC:
@@ -414,15 +321,12 @@ class PolicyEngine:
 
     # -- what to send ------------------------------------------------------------------------
 
-    def _commands(self, view: NodeView, strategy: Strategy, mode: Mode, the_plan: Plan,
-                  headroom: int | None, reason: str, epoch: int = 0, *, cap: int | None = None,
-                  cap_reason: str = "") -> list[Command]:
+    def _commands(self, view: NodeView, strategy: Strategy, mode: Mode, the_plan: Plan, reason: str,
+                  epoch: int = 0, *, before: list[Proposal] = (), after: list[Proposal] = ()) -> list[Command]:
         ttl_ns = int(self.config.command_ttl_s * NS_PER_S)
         common = dict(node=view.node, reason=reason, mode=mode, variant=strategy.variant,
                       issued_at_ns=view.ts_ns, ttl_ns=ttl_ns, epoch=epoch)
-        payloads: list[tuple[Payload, str]] = []
-        if headroom is not None:
-            payloads.append((HeadroomPayload(units=headroom), reason))
+        payloads: list[tuple[Payload, str]] = [(p.payload, p.reason) for p in before]
         if the_plan.compact_moves:
             payloads.append((CompactPayload(max_moves=the_plan.compact_moves), reason))
         if the_plan.reclaim_units:
@@ -431,8 +335,8 @@ class PolicyEngine:
             targets = tuple(Target(v.req, v.units) for v in the_plan.victims)
             payloads.append((EvictPayload(targets, granularity=strategy.granularity, handling=strategy.handling),
                              reason))
-        if cap is not None:  # last: the other actions keep their positions (and ids) on every profile
-            payloads.append((BatchCapPayload(tokens=cap), cap_reason))
+        # last: the plan's actions keep their positions (and ids) on every profile
+        payloads.extend((p.payload, p.reason) for p in after)
         drafts = [Command(id="", payload=payload, **(common | {"reason": why})) for payload, why in payloads]
         out = []
         # a restarted node's clock starts over: its epoch keeps its ids apart from the old run's
@@ -452,7 +356,7 @@ class PolicyEngine:
                 self.counters.headroom_commands += 1
             elif cmd.action is Action.BATCH_CAP:
                 self.counters.batch_cap_commands += 1
-            else:
+            elif cmd.action is Action.RECLAIM:
                 self.counters.reclaim_commands += 1
         return out
 
