@@ -445,12 +445,14 @@ def preset_vllm() -> list[RunSpec]:
 
 def preset_trend() -> list[RunSpec]:
     """TREND classes (leak, neighbour, ramping demand) on the vLLM-faithful engine (``kvguard.ml.trend``)."""
+    # kvguard.ml.dataset imports this module's hooks: imported here to avoid the cycle
     from kvguard.ml.trend import preset_trend as trend
 
     return trend()
 
 
 def preset_trend_tiny() -> list[RunSpec]:
+    # kvguard.ml.dataset imports this module's hooks: imported here to avoid the cycle
     from kvguard.ml.trend import preset_trend_tiny as tiny
 
     return tiny()

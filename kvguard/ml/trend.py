@@ -53,6 +53,7 @@ def trend_workload(spec, *, max_prompt_tokens: int | None = None) -> Workload:
 
 def external_config(spec) -> dict:
     """The vLLM engine config's ``leak``/``neighbour`` for the run (``{}`` when it has neither)."""
+    # the vLLM engine's schedules, only for runs that have one
     from kvguard.producers.sim.vllm.external import Leak, Neighbour
 
     out = {}
@@ -79,6 +80,7 @@ RAMPS = (4.0, 8.0)
 
 def _runs(workloads: dict, seeds: tuple, split: str, duration_s: float, leaks=LEAKS, neighbours=NEIGHBOURS,
           ramps=RAMPS, calm: int = 1) -> list:
+    # kvguard.ml.dataset imports this module's hooks: imported here to avoid the cycle
     from kvguard.ml.dataset import RunSpec
 
     out = []
@@ -104,6 +106,7 @@ def preset_trend(duration_s: float = 2700.0) -> list:
 
 def preset_trend_tiny() -> list:
     """Seconds of work: one leak run per split (tests)."""
+    # kvguard.ml.dataset imports this module's hooks: imported here to avoid the cycle
     from kvguard.ml.dataset import RunSpec
 
     return [RunSpec("sharegpt-sample", 0.25, VLLM_PROFILE, 0, 1200.0, split="train", leak="12GiB/h"),
@@ -129,6 +132,7 @@ def storm_episodes(ts_ns, preemptions, *, per_min: float = STORM_PER_MIN, window
     """(onset_ns, end_ns) arrays of one node's storms from its per-tick preemption counts: onset is the
     first tick whose trailing ``window_s`` count reaches ``per_min`` x ``window_s`` / 60, end the first
     tick after it below that again; episodes closer than ``merge_s`` are merged."""
+    # only this path needs it (keeps the module light to import)
     import numpy as np
 
     ts = np.asarray(ts_ns, dtype=np.int64)
@@ -160,8 +164,10 @@ def storm_dataset(ds, *, per_min: float = STORM_PER_MIN):
     """The dataset with each sequence's events replaced by its preemption storms: label = a storm
     begins within the horizon; ticks inside a storm are masked (down), as a GPU down after an OOM.
     The preemption count per tick is read back from ``log_preemptions`` (log1p of the count)."""
+    # only this path needs it (keeps the module light to import)
     import numpy as np
 
+    # kvguard.ml.dataset imports this module's hooks: imported here to avoid the cycle
     from kvguard.ml.dataset import Sequence, assemble
 
     col = ds.feature_names.index("log_preemptions")

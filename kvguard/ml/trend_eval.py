@@ -106,9 +106,13 @@ def baseline_scores(ds: TickDataset) -> dict[str, np.ndarray]:
 
 
 def _estimators(seed: int) -> dict:
+    # scikit-learn takes ~1 s to import: only when a model is fitted
     from sklearn.ensemble import HistGradientBoostingClassifier
+    # scikit-learn takes ~1 s to import: only when a model is fitted
     from sklearn.linear_model import LogisticRegression
+    # scikit-learn takes ~1 s to import: only when a model is fitted
     from sklearn.pipeline import make_pipeline
+    # scikit-learn takes ~1 s to import: only when a model is fitted
     from sklearn.preprocessing import StandardScaler
 
     return {"logistic": make_pipeline(StandardScaler(), LogisticRegression(class_weight="balanced", max_iter=3000)),
@@ -287,6 +291,7 @@ def target_dataset(ds: TickDataset, target: str) -> TickDataset:
     if target == "oom":
         return ds
     if target == "storm":
+        # kvguard.ml.dataset imports this module's hooks: imported here to avoid the cycle
         from kvguard.ml.trend import storm_dataset
 
         return storm_dataset(ds)
@@ -297,11 +302,15 @@ def train_trend_model(ds: TickDataset, *, target: str = "oom", seed: int = 0, X:
                       window_ticks: int = DEFAULT_TREND_WINDOW_TICKS):
     """Fit the trend trees for ``target`` on the train runs' scored ticks, threshold FPR <= 5 % on the val
     runs', export to arrays and check the export against scikit-learn; a ``streams.trend_model.TrendPredictor``."""
+    # only this path needs it (keeps the module light to import)
     import datetime as _dt
 
+    # scikit-learn takes ~1 s to import: only when a model is fitted
     import sklearn
 
+    # only this path needs it (keeps the module light to import)
     from kvguard.ml.tick_training import export_trees
+    # only this path needs it (keeps the module light to import)
     from kvguard.streams.trend_model import TrendModelMetadata, TrendPredictor
 
     ds = target_dataset(ds, target)
@@ -334,6 +343,7 @@ def train_trend_model(ds: TickDataset, *, target: str = "oom", seed: int = 0, X:
 
 def _subset(ds: TickDataset, split: str) -> TickDataset:
     """``ds`` with every run relabelled into ``split`` (simulated eval runs are all held out)."""
+    # kvguard.ml.dataset imports this module's hooks: imported here to avoid the cycle
     from kvguard.ml.dataset import assemble
 
     runs: dict[int, list] = {}
@@ -377,6 +387,7 @@ def targets_block(ds: TickDataset, predictors: dict, *, split: str = "test", cal
 
 
 def _storm_definition() -> str:
+    # kvguard.ml.dataset imports this module's hooks: imported here to avoid the cycle
     from kvguard.ml.trend import STORM_PER_MIN, STORM_WINDOW_S
 
     return (f">= {STORM_PER_MIN:g} preemptions a minute over a trailing {STORM_WINDOW_S:g} s on one GPU "
