@@ -21,6 +21,10 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=3600.0)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--model", default=None, help="trend model (default: the shipped one)")
+    ap.add_argument("--capacity", type=float, default=None, help="the guard's capacity (reserved share outside KV "
+                    "at which growth OOMs happen: kvguard.ml.trend_eval.exhaustion_level of the train runs); "
+                    "default: drain as soon as P(OOM) is confirmed")
+    ap.add_argument("--drain-tte-s", type=float, default=180.0)
     args = ap.parse_args()
     from kvguard.ml.dataset import RunSpec
     from kvguard.ml.trend import VLLM_PROFILE
@@ -31,7 +35,11 @@ def main() -> None:
     predictor = load_predictor(args.model, expected_features=list(FEATURE_NAMES))
     spec = RunSpec(args.workload, args.rate_scale, VLLM_PROFILE, seed=args.seed, duration_s=args.duration,
                    n_gpus=args.gpus, split="test", leak=args.leak)
-    print(json.dumps(compare(spec, predictor)))
+    from kvguard.policy.drain_guard import DrainRestartConfig
+
+    config = DrainRestartConfig(p_threshold=float(predictor.threshold), capacity=args.capacity,
+                                drain_tte_s=args.drain_tte_s)
+    print(json.dumps(compare(spec, predictor, config=config)))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ restart the server by hand, after the crash. This guard does it before, at a mom
    may even be refused by vLLM's free-memory check), so a neighbour does not arm it;
 2. **drain**: the node leaves the router (as a drained pod fails its readiness probe), at most
    ``max_draining`` nodes at once so the fleet keeps its capacity, and never a node that came up less
-   than ``min_up_s`` ago (it holds no leak yet);
+   than ``min_up_s`` ago (it holds no leak yet); with a ``capacity`` it waits until the growth line
+   reaches it within ``drain_tte_s`` (each restart as late as is safe: fewer restarts);
 3. **restart**: once the node's tick shows nothing running and nothing waiting (the engine checks
    again and refuses otherwise: no request is lost), the worker restarts; the node is back on the
    router when it is up. A drain that has not emptied after ``drain_timeout_s`` is given up (the
@@ -43,6 +44,11 @@ class DrainRestartConfig:
     max_draining: int = 1
     min_up_s: float = 600.0
     drain_timeout_s: float = 600.0
+    # the restart's moment: with ``capacity`` (the reserved share outside KV at which growth OOMs happen,
+    # ``kvguard.ml.trend_eval.exhaustion_level``) the drain waits until the least-squares line through the
+    # growth window reaches it within ``drain_tte_s`` (enough to drain and restart); None: drain at once
+    capacity: float | None = None
+    drain_tte_s: float = 180.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.p_threshold <= 1.0:
@@ -78,9 +84,29 @@ class DrainCounters:
     given_up: int = 0
     held_by_fleet: int = 0  # armed while max_draining nodes were already out
     not_growth: int = 0  # P(OOM) high but the engine's own memory is not growing (no restart helps)
+    not_yet: int = 0  # armed, but the growth line reaches the capacity later than drain_tte_s
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+def _time_to(points, capacity: float) -> float:
+    """Seconds until the least-squares line through ``points`` (ts_ns, value) reaches ``capacity``
+    (inf when it is not rising; 0 when it is there)."""
+    n = len(points)
+    if n < 3:
+        return float("inf")
+    ts = [t / NS_PER_S for t, _ in points]
+    ys = [v for _, v in points]
+    tm, ym = sum(ts) / n, sum(ys) / n
+    sxx = sum((t - tm) ** 2 for t in ts)
+    if sxx <= 0:
+        return float("inf")
+    b = sum((t - tm) * (y - ym) for t, y in zip(ts, ys)) / sxx
+    now = ym + b * (ts[-1] - tm)
+    if now >= capacity:
+        return 0.0
+    return (capacity - now) / b if b > 0 else float("inf")
 
 
 class DrainRestartGuard:
@@ -139,6 +165,11 @@ class DrainRestartGuard:
         if growth < cfg.min_growth:
             self.counters.not_growth += 1
             return []
+        if cfg.capacity is not None:
+            tte = _time_to(st.reserved, cfg.capacity)
+            if tte > cfg.drain_tte_s:
+                self.counters.not_yet += 1
+                return []
         self.counters.armed += 1
         if sum(1 for s in self.nodes.values() if s.state in (DRAINING, RESTARTING)) >= cfg.max_draining:
             self.counters.held_by_fleet += 1

@@ -90,3 +90,12 @@ def test_refused_restart_is_counted_and_retried():
 def test_config_refuses_nonsense():
     with pytest.raises(ValueError, match="p_threshold"):
         DrainRestartConfig(p_threshold=0.0)
+
+
+def test_with_a_capacity_it_drains_as_late_as_is_safe():
+    # reserved share 0.01 + 1e-5/s: reaches 0.03 at t = 2000 s; drain_tte_s 180 -> not before ~1820 s
+    g = DrainRestartGuard(DrainRestartConfig(p_threshold=0.5, min_up_s=0, capacity=0.03, drain_tte_s=180))
+    acts = leaking(g, "a", 0, 2000, p_from=1000)
+    assert [a.kind for a in acts] == [DRAIN]
+    assert 1810 * S <= acts[0].ts_ns <= 1830 * S
+    assert g.counters.not_yet > 0
