@@ -527,7 +527,9 @@ def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ti
     profile = load_profile(spec.profile, knobs=knobs)
     from kvguard.ml.trend import external_config, trend_workload  # the TREND classes' hooks
 
-    workload = trend_workload(spec, max_prompt_tokens=prompt_cap_tokens(profile))
+    workload = trend_workload(spec, max_prompt_tokens=prompt_cap_tokens(profile)) if spec.ramp != 1.0 else \
+        load_workload(spec.workload, rate_scale=spec.rate_scale, window=spec.duration_s, seed=spec.seed,
+                      max_prompt_tokens=prompt_cap_tokens(profile))
     kind = engine_kind(profile)
     engine_config = kind.node_config(prompt_logprobs_frac=spec.prompt_logprobs_frac, **external_config(spec)) \
         if kind.capabilities.prompt_logprobs else None
