@@ -1,7 +1,8 @@
-"""Load the tier-3 predictor (default: the shipped one): gradient-boosted trees or the LSTM.
+"""Load the tier-3 predictor (default: the shipped one): trend trees, one-tick trees or the LSTM.
 
-The shipped model is the trees (``streams/models/oom_trees.*``, ``streams.tick_model``): loading it
-needs numpy only. torch is imported only when the artifact is an LSTM (``streams.lstm``)."""
+The shipped model is the trend trees (``streams/models/oom_trees.*``, ``streams.trend_model``: trees
+over 5/15/30-minute levels and slopes, trained on the vLLM engine's TREND runs); a one-tick trees
+artifact (``streams.tick_model``) loads too. Either needs numpy only. torch is imported only when the artifact is an LSTM (``streams.lstm``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from kvguard.streams.predictor import ModelError, Predictor
 from kvguard.streams.tick_model import is_tick_model, load_tick_model
+from kvguard.streams.trend_model import is_trend_model, load_trend_model
 
 SHIPPED_DIR = Path(__file__).with_name("models")
 
@@ -23,6 +25,8 @@ def load_predictor(path: str | Path | None = None, *, expected_features: list[st
     features checked against ``expected_features``; ``ModelError`` naming the file otherwise.
     ``threads``: torch's CPU threads, for an LSTM."""
     target = path if path is not None else SHIPPED_DIR
+    if is_trend_model(target):
+        return load_trend_model(target, expected_features=expected_features)
     if is_tick_model(target):
         return load_tick_model(target, expected_features=expected_features)
     # torch takes seconds to import and only an LSTM artifact needs it

@@ -74,7 +74,7 @@ def resolve_specs(preset: str | None, spec_file: Path | None):
 @app.command("dataset")
 def dataset_command(
     out: Path = typer.Option(Path("kvguard-dataset"), "--out", help="Output path; writes OUT.npz and OUT.json."),
-    preset: str = typer.Option("shipped", "--preset", help="Named set of runs (shipped, small, tiny: the seed engine; vllm: the default engine under the operator's knobs)."),
+    preset: str = typer.Option("shipped", "--preset", help="Named set of runs (shipped, small, tiny: the seed engine; vllm: the default engine under the operator's knobs; trend, trend-tiny: leak, neighbour and ramping-demand runs of the vLLM engine)."),
     spec_file: Path = typer.Option(None, "--spec", help="JSON list of run specs instead of a preset."),
     events: list[Path] = typer.Option(None, "--events", help="Recorded event log (kvguard simulate --events-out, "
                                       "kvguard record), one run per log, instead of simulating (repeatable)."),

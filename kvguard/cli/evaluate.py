@@ -56,6 +56,12 @@ def eval_command(
                               "refit every model without it and score it on its runs."),
     lowo_lstm_epochs: int = typer.Option(20, "--lowo-lstm-epochs", help="With --lowo: LSTM epochs per fold "
                                                                           "(0: leave the LSTM out)."),
+    leak: str = typer.Option("", "--leak", help="vLLM profiles: memory never returned in every run, as "
+                             "`kvguard simulate --leak` (1GiB/h, 4MiB/req, 1MiB/step; class C7)."),
+    neighbour: str = typer.Option("", "--neighbour", help="vLLM profiles: another process on each GPU, "
+                                  "SIZE[:RATE] as `kvguard simulate --neighbour` (e.g. 1GiB:+6GiB/h; class C4)."),
+    ramp: float = typer.Option(1.0, "--ramp", help="The arrival rate rises linearly to this multiple of the "
+                               "start's by the end of each run (KV-demand storms, class C6)."),
     report: Path = typer.Option(None, "--report", help="Directory for roc.png, lead_times.png, bands.md, eval.json."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
@@ -87,6 +93,7 @@ def eval_command(
     # the stream core as the deployed worker runs this model, at the model's tick
     stream_config = build_graph(settings, predictor=predictor).stream_config(tick_s=meta.tick_s)
     traces: list[NodeTrace] = []
+    records = []  # (spec, record) of simulated runs: the per-target block reads their sequences
     workload_of: list[str] = []  # per trace
     runs_out = []
     duplicates = []
@@ -97,7 +104,8 @@ def eval_command(
         if not workload:
             typer.echo("error: give --workload (or --data)", err=True)
             raise typer.Exit(2)
-        specs = [RunSpec(w, rate_scale=r, profile=p, seed=s, duration_s=duration_s, n_gpus=gpus, split="test")
+        specs = [RunSpec(w, rate_scale=r, profile=p, seed=s, duration_s=duration_s, n_gpus=gpus, split="test",
+                         leak=leak, neighbour=neighbour, ramp=ramp)
                  for w, r, p, s in itertools.product(workload, rate_scale, profile, seed)]
         seen: dict[str, str] = {}
         with progress_bar(console) as bar:
@@ -115,6 +123,7 @@ def eval_command(
                     bar.update(task, completed=i + 1, info=f"{spec.key()}: same as {seen[fingerprint]}")
                     continue
                 seen[fingerprint] = spec.key()
+                records.append((spec, record))
                 run_traces = [_trace(spec.key(), s, meta) for s in record.sequences]
                 if gpus > 1:
                     fleet_traces.append(_fleet_trace(spec, record, meta))
@@ -144,6 +153,9 @@ def eval_command(
             typer.echo("error: --lowo needs --data", err=True)
             raise typer.Exit(2)
         out["leave_one_workload_out"] = _lowo(data, meta, lowo_lstm_epochs, bootstrap)
+    trend = _targets(predictor, model, records, data, split, baseline_data, bootstrap, lowo)
+    if trend is not None:
+        out["targets"] = trend
     fleet = _fleet_block(fleet_traces, data, split, bootstrap)
     if fleet is not None:
         out["fleet_risk"] = fleet
@@ -236,6 +248,42 @@ def _fleet_block(fleet_traces: list, data: Path | None, split: str, bootstrap: i
     return None
 
 
+def _targets(predictor, model: Path | None, records: list, data: Path | None, split: str,
+             calib_data: Path | None, bootstrap: int, lowo: bool) -> dict | None:
+    """Per target (``oom``; ``storm`` when its model ships beside), the trend model and the
+    operators' baselines on the same ticks (``kvguard.ml.trend_eval.targets_block``); None unless the
+    model is a trend model."""
+    from kvguard.ml.dataset import TickDataset, assemble, spec_dict
+    from kvguard.ml.trend_eval import derived_matrix, lowo as trend_lowo, targets_block
+    from kvguard.streams.loader import SHIPPED_DIR
+    from kvguard.streams.trend_model import TrendPredictor, is_trend_model, load_trend_model
+    from kvguard.streams.metrics import FEATURE_NAMES
+
+    if not isinstance(predictor, TrendPredictor):
+        return None
+    predictors = {predictor.metadata.target: predictor}
+    storm_path = (model.parent if model is not None and model.suffix else (model or SHIPPED_DIR))
+    storm_path = storm_path / "storm_trees" if Path(storm_path).is_dir() else storm_path
+    if "storm" not in predictors and is_trend_model(storm_path):
+        predictors["storm"] = load_trend_model(storm_path, expected_features=list(FEATURE_NAMES))
+    if data is not None:
+        ds = TickDataset.load(data)
+    else:
+        ds = assemble(list(FEATURE_NAMES), [(dict(spec_dict(spec), key=spec.key()), rec.sequences)
+                                            for spec, rec in records], horizon_s=predictor.metadata.horizon_s,
+                      tick_s=predictor.metadata.tick_s)
+        split = "test"
+    calib = TickDataset.load(calib_data) if calib_data is not None else None
+    out = targets_block(ds, predictors, split=split, calib=calib, bootstrap=bootstrap)
+    if lowo and data is not None:
+        from kvguard.ml.trend_eval import target_dataset
+
+        for target in out:
+            tds = target_dataset(ds, target)
+            out[target]["leave_one_workload_out"] = trend_lowo(tds, derived_matrix(tds))
+    return out
+
+
 def _fit_baselines(fit_data: Path | None) -> dict | None:
     """The fitted baselines of ``kvguard.ml.baselines`` (None without a dataset to learn from)."""
     from kvguard.ml.baselines import fit_tick_models
@@ -294,7 +342,13 @@ def _offline(predictor, data: Path, split: str, mode: str):
         raise typer.Exit(2)
     if hasattr(predictor, "net"):  # the LSTM: exact windows, or its stateful path
         scores = score_dataset(predictor.net, ds, ids, meta.normalisation, meta.window_ticks, mode)
-    else:  # a per-tick model (the shipped trees): each tick on its own, whatever the mode
+    elif hasattr(predictor, "score_derived"):  # the trend trees: each tick over its own window
+        from kvguard.streams.trend_model import derive_sequence
+
+        scores = [predictor.score_derived(derive_sequence(ds.features[ds.seq_offsets[s]:ds.seq_offsets[s + 1]],
+                                                          ds.feature_names, meta.window_ticks, tick_s=meta.tick_s))
+                  for s in ids]
+    else:  # a per-tick model (the one-tick trees): each tick on its own, whatever the mode
         scores = [predictor.score(ds.features[ds.seq_offsets[s]:ds.seq_offsets[s + 1]]) for s in ids]
     traces = traces_for(ds, ids, scores, meta.threshold, meta.resolve_after_s)
     runs = sorted({int(ds.seq_run[s]) for s in ids})

@@ -27,8 +27,11 @@ def train_command(
     seed: int = typer.Option(0, "--seed", help="Seed for weight init and chunk order."),
     threads: int = typer.Option(1, "--threads", help="torch CPU threads (the machine is shared: keep it small)."),
     save_data: Path = typer.Option(None, "--save-data", help="Also save the simulated dataset here (.npz + .json)."),
-    model: str = typer.Option("lstm", "--model", help="lstm (2-layer LSTM over 30 minutes of ticks) or boosting "
-                              "(gradient-boosted trees over one tick, the held-out winner; exported to arrays)."),
+    model: str = typer.Option("lstm", "--model", help="lstm (2-layer LSTM over 30 minutes of ticks), boosting "
+                              "(gradient-boosted trees over one tick; exported to arrays) or trend (trees over "
+                              "5/15/30-minute levels and slopes, for the TREND classes; exported to arrays)."),
+    target: str = typer.Option("oom", "--target", help="With --model trend: oom (an OOM within 5 min) or storm "
+                               "(a preemption storm begins within 5 min)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ) -> None:
     """Train the OOM predictor (an LSTM, or gradient-boosted trees) and save the model artifact."""
@@ -40,8 +43,8 @@ def train_command(
     from kvguard.ml.dataset import DatasetError, TickDataset
     from kvguard.runtime.bootstrap import bootstrap
 
-    if model not in ("lstm", "boosting"):
-        typer.echo(f"error: --model {model!r}: expected lstm or boosting", err=True)
+    if model not in ("lstm", "boosting", "trend"):
+        typer.echo(f"error: --model {model!r}: expected lstm, boosting or trend", err=True)
         raise typer.Exit(2)
     require("torch" if model == "lstm" else "sklearn")  # before a long simulation, not after it
     console = Console(stderr=True)
@@ -58,6 +61,11 @@ def train_command(
         raise typer.Exit(2)
     command = ("kvguard train " + (f"--data {data}" if data else f"--preset {preset}") + f" --seed {seed}"
                + (f" --model {model}" if model != "lstm" else "") + (f" --epochs {epochs}" if epochs else ""))
+    if model == "trend":
+        _train_trend(ds, target, seed, out, as_json, console, {"data": str(data) if data else None,
+                                                              "preset": None if data else preset,
+                                                              "command": command + f" --target {target}"})
+        return
     if model == "boosting":
         _train_trees(ds, seed, out, as_json, console, {"data": str(data) if data else None,
                                                       "preset": None if data else preset, "command": command})
@@ -86,6 +94,26 @@ def train_command(
         typer.echo(json.dumps(summary))
     else:
         console.print_json(json.dumps(summary))
+
+
+def _train_trend(ds, target: str, seed: int, out: Path, as_json: bool, console, source: dict) -> None:
+    from kvguard.ml.trend_eval import train_trend_model
+    from kvguard.streams.trend_model import save_trend_model
+
+    with console.status(f"fitting the trend trees ({target}) on the train runs' scored ticks"):
+        try:
+            predictor = train_trend_model(ds, target=target, seed=seed)
+        except ValueError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2)
+    predictor.metadata.training["source"] = source
+    stem = out / f"{target}_trees" if out.is_dir() else out
+    npz, meta_path = save_trend_model(predictor.trees, predictor.metadata, stem)
+    meta = predictor.metadata
+    summary = {"model": "trend", "target": target, "version": meta.version, "threshold": round(meta.threshold, 6),
+               "trees": meta.metrics["trees"], "nodes": meta.metrics["nodes"], "arrays": str(npz),
+               "metadata": str(meta_path)}
+    typer.echo(json.dumps(summary)) if as_json else console.print_json(json.dumps(summary))
 
 
 def _train_trees(ds, seed: int, out: Path, as_json: bool, console, source: dict) -> None:

@@ -67,11 +67,18 @@ class RunSpec:
     # requests asking for prompt logprobs (eval traffic, whose logits vLLM's profiling run does not count)
     gpu_memory_utilization: float | None = None
     prompt_logprobs_frac: float = 0.0
+    # TREND classes (kvguard.ml.trend): a leak (``--leak`` text, C7), a neighbour process
+    # (``--neighbour`` SIZE[:RATE], C4) and an arrival rate ramping to ``ramp`` x the base by the end (C6)
+    leak: str = ""
+    neighbour: str = ""
+    ramp: float = 1.0
 
     def key(self) -> str:
         knobs = ""
         if self.gpu_memory_utilization is not None or self.prompt_logprobs_frac:
             knobs = f"/u{self.gpu_memory_utilization}/plp{self.prompt_logprobs_frac:g}"
+        if self.leak or self.neighbour or self.ramp != 1.0:
+            knobs += f"/leak={self.leak}/nb={self.neighbour}/ramp{self.ramp:g}"
         return (f"{self.workload}@x{self.rate_scale:g}/{self.profile}{knobs}/s{self.seed}/{self.duration_s:g}s/"
                 f"{self.n_gpus}g")
 
@@ -436,7 +443,23 @@ def preset_vllm() -> list[RunSpec]:
             + _vllm_grid(VLLM_TEST_RUNS, "test", 1800.0))
 
 
-PRESETS = {"shipped": preset_shipped, "small": preset_small, "tiny": preset_tiny, "vllm": preset_vllm}
+def preset_trend() -> list[RunSpec]:
+    """TREND classes (leak, neighbour, ramping demand) on the vLLM-faithful engine (``kvguard.ml.trend``)."""
+    # kvguard.ml.dataset imports this module's hooks: imported here to avoid the cycle
+    from kvguard.ml.trend import preset_trend as trend
+
+    return trend()
+
+
+def preset_trend_tiny() -> list[RunSpec]:
+    # kvguard.ml.dataset imports this module's hooks: imported here to avoid the cycle
+    from kvguard.ml.trend import preset_trend_tiny as tiny
+
+    return tiny()
+
+
+PRESETS = {"shipped": preset_shipped, "small": preset_small, "tiny": preset_tiny, "vllm": preset_vllm,
+           "trend": preset_trend, "trend-tiny": preset_trend_tiny}
 
 
 def spec_dict(spec: RunSpec) -> dict:
@@ -502,10 +525,13 @@ def simulate_run(spec: RunSpec, *, tick_s: float = 10.0, predictor=None, keep_ti
     runner = "v1" if engine_kind(load_profile(spec.profile)).takes_knobs else None
     knobs = EngineKnobs(gpu_memory_utilization=spec.gpu_memory_utilization, model_runner=runner)
     profile = load_profile(spec.profile, knobs=knobs)
-    workload = load_workload(spec.workload, rate_scale=spec.rate_scale, window=spec.duration_s, seed=spec.seed,
-                             max_prompt_tokens=prompt_cap_tokens(profile))
+    from kvguard.ml.trend import external_config, trend_workload  # the TREND classes' hooks
+
+    workload = trend_workload(spec, max_prompt_tokens=prompt_cap_tokens(profile)) if spec.ramp != 1.0 else \
+        load_workload(spec.workload, rate_scale=spec.rate_scale, window=spec.duration_s, seed=spec.seed,
+                      max_prompt_tokens=prompt_cap_tokens(profile))
     kind = engine_kind(profile)
-    engine_config = kind.node_config(prompt_logprobs_frac=spec.prompt_logprobs_frac) \
+    engine_config = kind.node_config(prompt_logprobs_frac=spec.prompt_logprobs_frac, **external_config(spec)) \
         if kind.capabilities.prompt_logprobs else None
     fleet = Fleet(spec.n_gpus, profile, seed=spec.seed, config=engine_config)
     fleet.submit_workload(workload)

@@ -363,5 +363,6 @@ def _predictor(settings: Settings, predictor: Predictor | str | Path | None) -> 
         return None, f"no predictor tier (an LSTM artifact {missing_extra(err) or err})"
     except ModelError as err:
         return None, f"no predictor tier: {err}"
-    kind = "boosted trees" if isinstance(model, TickModelPredictor) else "LSTM"
+    kind = "boosted trees" if isinstance(model, TickModelPredictor) else \
+        f"trend trees ({model.metadata.target})" if hasattr(model, "score_derived") else "LSTM"
     return model, f"predictor tier: {kind}, {path or 'shipped model'}"

@@ -81,7 +81,7 @@ async def test_the_deployed_worker_runs_the_shipped_predictor_at_its_calibrated_
             await out.settle()
         started = next(line for line in log.read_text().splitlines() if line.startswith("kvguard worker"))
         assert f"tier 3 at P(OOM) >= {calibrated:.4f} (the model's calibrated threshold)" in started, started
-        assert "boosted trees, shipped model" in started
+        assert "trend trees (oom), shipped model" in started
         got, _ = tick_map(out.of("metrics"))
         assert {k: v for k, v in got.items() if not v.get("partial")} == expected
         assert all(v["p_oom"] is not None for v in got.values())

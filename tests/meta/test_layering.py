@@ -37,12 +37,13 @@ OLD_TOP_LEVEL = ("producers", "streams", "policy", "actuators", "tests.rigs")
 # Everything else in a wing is internal to it.
 PUBLIC = {
     "kvguard.producers": {"sim.fleet", "sim.profiles", "sim.workloads", "sim.run", "sim.registry", "sim.vllm.engine",
-                          "vllm.step_memory", "publisher"},
+                          "sim.vllm.external", "vllm.step_memory", "publisher"},
     "kvguard.streams": {"alerts", "core", "embedded", "loader", "lstm", "metrics", "mirror", "outputs", "predictor",
-                        "tick_model"},
-    "kvguard.policy": {"engine", "service", "strategy", "budget", "slo"},
+                        "tick_model", "trend_model"},
+    "kvguard.policy": {"engine", "service", "strategy", "budget", "slo", "drain_guard"},
     "kvguard.actuators": {"actuator", "executor"},
-    "kvguard.ml": {"dataset", "evaluation", "training", "baselines", "tick_training", "fleet_risk"},
+    "kvguard.ml": {"dataset", "evaluation", "training", "baselines", "tick_training", "fleet_risk", "trend",
+                   "trend_eval", "trend_act"},
     "kvguard.ops": {"exporter", "rca", "demo_report", "export_service", "static_sweep", "timeline_report"},
 }
 

@@ -215,6 +215,8 @@ class VllmEngine:
         self.ooms_by_cause: Counter[str] = Counter()
         self.rejected_by_reason: Counter[str] = Counter()
         self.restarts = 0
+        self.draining = False  # kvguard's drain-and-restart guard took it out of the router (planned_restart)
+        self.planned_restarts = 0
         self.startups_refused = 0  # restarts vLLM refused (a neighbour holds what the budget needs)
         self.startup_refusals: list[str] = []
         self._allocator_totals = {"peak_reserved_bytes": 0, "peak_allocated_bytes": 0, "num_alloc_retries": 0}
@@ -307,7 +309,7 @@ class VllmEngine:
         """Whether the router should send a request arriving at ``at_ns`` here (its health check): the
         worker is up and not drained (a hold of every admission fails the check, as a drained pod fails
         its readiness probe; a request that still arrives waits for the release)."""
-        return max(at_ns, self.now_ns) >= self.down_until_ns and self._hold_cap != 0
+        return max(at_ns, self.now_ns) >= self.down_until_ns and self._hold_cap != 0 and not self.draining
 
     def outstanding_tokens(self) -> int:
         return self._outstanding
@@ -658,6 +660,26 @@ class VllmEngine:
         self.memory = None
 
     # ------------------------------------------------------------------ actuator entry points
+    def planned_restart(self, now_ns: int) -> bool:
+        """Restart the worker process now, as an operator does after a leak (C7): only once it is drained
+        (nothing running, waiting or arriving), so no request is lost; the process and everything it
+        leaked go, and the GPU is back after ``restart_s`` as after a crash. False when not drained."""
+        if self.memory is None or self.scheduler.requests or self._arrivals:
+            return False
+        now = max(int(now_ns), self.now_ns)
+        self.recorder.now_ns = now
+        self._retire_worker(now)
+        self.recorder.row(_RESET, now)
+        self._awaiting_first.clear()
+        self._prompt_logprobs.clear()
+        self.scheduler = self._new_scheduler()
+        self.down_until_ns = now + int(self.config.restart_s * NS_PER_S)
+        self.now_ns = now + 1
+        self.planned_restarts += 1
+        self.draining = False
+        self._quiet = False
+        return True
+
     def evict_request(self, req: int, now_ns: int, *, granularity: str = Granularity.REQUEST,
                       handling: Handling = Handling.RECOMPUTE, pages=None) -> EvictResult:
         """A policy eviction between steps. Request granularity is vLLM's preemption (recompute, the

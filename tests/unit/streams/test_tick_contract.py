@@ -35,7 +35,7 @@ def lossy_stream(seed: int, n_ops: int, n_cuts: int, lost: list[bool], snapshot_
 
 
 def emitted(batches, predictor=None, chunk: int = 1):
-    core = StreamCore(StreamConfig(window_ticks=1) if predictor else StreamConfig(), predictor=predictor)
+    core = StreamCore(StreamConfig(window_ticks=predictor.window_ticks) if predictor else StreamConfig(), predictor=predictor)
     ticks = []
     for i in range(0, len(batches), chunk):
         ticks += core.process_many(batches[i:i + chunk])[0]

@@ -150,7 +150,7 @@ def test_kvguard_train_model_boosting_writes_an_artifact_the_loader_reads(tmp_pa
     loaded = load_model(tmp_path / "trees", expected_features=NAMES)
     assert loaded.metadata.training["source"]["command"].endswith("--model boosting")
     bad = CliRunner().invoke(app, ["train", "--data", str(tmp_path / "d.npz"), "--model", "forest"])
-    assert bad.exit_code == 2 and "expected lstm or boosting" in bad.output
+    assert bad.exit_code == 2 and "expected lstm, boosting or trend" in bad.output
 
 
 def test_kvguard_eval_scores_a_tree_model_offline_as_the_boosting_baseline_it_was_trained_as(tmp_path, ds, trained):
