@@ -51,6 +51,9 @@ def node(
     insecure_dev: bool = typer.Option(False, "--insecure-dev",
                                       help="Accept a short or placeholder policy.hmac_secret (throwaway setups only)."),
     no_actuator: bool = typer.Option(False, "--no-actuator", help="Run the bare engine (baseline)."),
+    governor: bool = typer.Option(True, "--governor/--no-governor",
+                                  help="With the actuator: kvguard's step governor in the engine (vLLM profiles); "
+                                       "--no-governor leaves prevention to the policy's commands alone."),
     config: Path = typer.Option(None, "--config", help="Settings file (TOML/JSON)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
 ) -> None:
@@ -108,7 +111,7 @@ def node(
             raise BrokerUnreachable(broker_unreachable(getattr(carrier, "bootstrap", "the broker"), err)) from None
         try:
             return await run_node(graph, carrier, wl, n_gpus=gpus, duration_s=duration_s, speed=speed, seed=seed,
-                                  host=host, actuate=not no_actuator, epoch=epoch,
+                                  host=host, actuate=not no_actuator, epoch=epoch, governor=governor,
                                   journal_dir=journal_dir if journal_dir is not None else settings.node.journal_dir)
         finally:
             await carrier.stop()

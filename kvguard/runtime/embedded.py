@@ -82,12 +82,13 @@ def static_arms(graph: Any, profile_name: str | None, node_config: Any = None) -
             "tuned_static": graph.with_node(load_profile(profile_name, knobs=tuned_knobs()), node_config)}
 
 
-def with_node_guard(graph: Any) -> Any:
+def with_node_guard(graph: Any, governor: bool = True) -> Any:
     """The graph with kvguard's node-side guard on, as a guarded node runs it: on engines that serve
-    prompt logprobs the logprob guard (``VllmEngineConfig.logprobs_guard``: steps sized so prompt-logprob
-    logits fit the allocator's headroom). Other engines have no node-side guard: the graph as it is."""
+    prompt logprobs the step governor (``VllmEngineConfig.logprobs_guard``, an alias of ``governor``:
+    every step sized so its non-KV peak fits the allocator's headroom). Other engines have no node-side
+    guard, and ``governor=False`` (the policy's commands alone) leaves the graph as it is."""
     kind = engine_kind(graph.profile)
-    if not kind.capabilities.prompt_logprobs:
+    if not governor or not kind.capabilities.prompt_logprobs:
         return graph
     return replace(graph, node_config=kind.node_config(graph.node_config, logprobs_guard=True))
 

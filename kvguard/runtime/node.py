@@ -25,15 +25,17 @@ from kvguard.runtime.embedded import with_node_guard
 async def run_node(graph: Any, bus: Any, workload: Any, *, n_gpus: int, duration_s: float, speed: float,
                    seed: int = 0, host: str = "sim-0", actuate: bool = True, journal_dir: str | Path | None = None,
                    step_wall_s: float = 0.05, on_progress: Any = None, acks_out: list | None = None,
-                   on_ack: Any = None, on_batches: Any = None, epoch: int | None = None) -> dict:
+                   on_ack: Any = None, on_batches: Any = None, epoch: int | None = None,
+                   governor: bool = True) -> dict:
     """Run the node until ``duration_s`` of simulated time; returns the summary dict.
     ``on_ack(ack)`` sees each ack, ``on_batches(batches)`` each list of event batches published
     (the demo reads the FINISH rows of evicted requests from them). ``epoch``: the producer run
     the batches carry (None: the seed, so logs stay deterministic; a restartable node passes a
-    newer one on every start)."""
+    newer one on every start). ``governor``: with ``actuate``, the node-side step governor too
+    (False: the policy's commands alone)."""
 
     settings = graph.settings
-    fleet = (with_node_guard(graph) if actuate else graph).fleet(n_gpus, seed=seed, host=host)
+    fleet = (with_node_guard(graph, governor) if actuate else graph).fleet(n_gpus, seed=seed, host=host)
     if epoch is not None:
         if epoch < 0:
             raise ValueError(f"epoch: expected >= 0, got {epoch}")

@@ -13,9 +13,12 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import replace
 
 from kvguard.config.settings import Settings
 from kvguard.contracts.units import NS_PER_S
+from kvguard.producers.sim.registry import engine_kind
+from kvguard.producers.sim.vllm.external import Leak
 from kvguard.producers.sim.workloads import load_workload
 from kvguard.runtime.bootstrap import bootstrap
 from kvguard.streams.loader import SHIPPED_DIR
@@ -34,10 +37,14 @@ def tansu_env(bootstrap_address: str, prefix: str) -> dict[str, str]:
     return env
 
 
-def busy_vllm_batches(graph, seconds: int = 120):
-    """Two vLLM-faithful GPUs kept busy (no OOM, events in every 2 s batch): each batch closes at
-    most one tick of its node."""
-    fleet = graph.fleet(2, seed=0, snapshot_every_s=30)
+def leaking_vllm_batches(graph, seconds: int = 250):
+    """Two vLLM-faithful GPUs kept busy while memory leaks at 20 GiB/h (class C7), stopped just before
+    the leak reaches the allocator's headroom (no OOM, events in every 2 s batch: each batch closes at
+    most one tick of its node). The shipped trend model stays quiet on calm runs, so the growth is what
+    raises its tier-3 alerts."""
+    kind = engine_kind(graph.profile)
+    leaking = replace(graph, node_config=kind.node_config(graph.node_config, leak=Leak.parse("20GiB/h")))
+    fleet = leaking.fleet(2, seed=0, snapshot_every_s=30)
     fleet.submit_workload(load_workload("azure-conv", rate_scale=1.0, window=seconds, seed=0))
     batches = [b for _, step in fleet.steps(seconds * NS_PER_S, step_ns=2 * NS_PER_S) for b in step]
     assert fleet.summary().ooms == 0
@@ -51,7 +58,7 @@ async def test_the_deployed_worker_runs_the_shipped_predictor_at_its_calibrated_
     graph = bootstrap(settings)  # what the demo builds from the same settings
     calibrated = json.loads((SHIPPED_DIR / "oom_trees.json").read_text())["threshold"]
     assert graph.predictor is not None and settings.predictor.threshold != calibrated
-    batches = busy_vllm_batches(graph)
+    batches = leaking_vllm_batches(graph)
     core = graph.stream_core()
     ticks, alerts = [], []
     for batch in batches:  # one batch at a time, as the worker's agent applies them
