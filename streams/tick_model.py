@@ -153,11 +153,11 @@ class TickModelPredictor:
         return p, np.zeros((len(windows), 0), dtype=np.float32)
 
 
-def paths(path: str | Path) -> tuple[Path, Path]:
-    """``(<stem>.npz, <stem>.json)`` for a stem, either file, or a directory holding ``oom_trees``."""
+def paths(path: str | Path, stem: str = "oom_trees") -> tuple[Path, Path]:
+    """``(<stem>.npz, <stem>.json)`` for a stem, either file, or a directory holding ``stem``."""
     p = Path(path)
     if p.is_dir():
-        p = p / "oom_trees"
+        p = p / stem
     if p.suffix in (".npz", ".json"):
         p = p.with_suffix("")
     return p.with_suffix(".npz"), p.with_suffix(".json")
@@ -172,12 +172,30 @@ def is_tick_model(path: str | Path) -> bool:
         return False
 
 
-def save_tick_model(trees: TreeArrays, metadata: TickModelMetadata, path: str | Path) -> tuple[Path, Path]:
+def save_trees(trees: TreeArrays, metadata, path: str | Path) -> tuple[Path, Path]:
+    """Write a tree artifact: the arrays as ``.npz``, ``metadata.to_dict()`` as ``.json`` (no pickle)."""
     npz, meta_path = paths(path)
     npz.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(npz, **{name: getattr(trees, name) for name in _ARRAYS})
     meta_path.write_text(json.dumps(metadata.to_dict(), indent=1, sort_keys=True) + "\n")
     return npz, meta_path
+
+
+def save_tick_model(trees: TreeArrays, metadata: TickModelMetadata, path: str | Path) -> tuple[Path, Path]:
+    return save_trees(trees, metadata, path)
+
+
+def read_trees(npz: Path, error: type[Exception], what: str) -> TreeArrays:
+    """The tree arrays of ``npz`` with their dtypes; ``error`` (naming ``what``) when it is not one."""
+    try:
+        with np.load(npz, allow_pickle=False) as data:
+            arrays = {name: data[name] for name in _ARRAYS}
+    except (OSError, KeyError, ValueError) as exc:
+        raise error(f"{npz}: not a {what} array file: {exc}") from exc
+    return TreeArrays(feature=arrays["feature"].astype(np.int32), threshold=arrays["threshold"].astype(np.float64),
+                      left=arrays["left"].astype(np.int32), right=arrays["right"].astype(np.int32),
+                      is_leaf=arrays["is_leaf"].astype(bool), value=arrays["value"].astype(np.float64),
+                      missing_left=arrays["missing_left"].astype(bool), roots=arrays["roots"].astype(np.int32))
 
 
 def load_tick_model(path: str | Path, *, expected_features: list[str] | None = None) -> TickModelPredictor:
@@ -191,14 +209,6 @@ def load_tick_model(path: str | Path, *, expected_features: list[str] | None = N
         raise TickModelError(f"{meta_path}: not JSON: line {exc.lineno}: {exc.msg}") from exc
     if expected_features is not None and list(expected_features) != list(meta.feature_names):
         raise ModelFeatureMismatch(str(meta_path), list(meta.feature_names), list(expected_features))
-    try:
-        with np.load(npz, allow_pickle=False) as data:
-            arrays = {name: data[name] for name in _ARRAYS}
-    except (OSError, KeyError, ValueError) as exc:
-        raise TickModelError(f"{npz}: not a tick-trees array file: {exc}") from exc
-    trees = TreeArrays(feature=arrays["feature"].astype(np.int32), threshold=arrays["threshold"].astype(np.float64),
-                       left=arrays["left"].astype(np.int32), right=arrays["right"].astype(np.int32),
-                       is_leaf=arrays["is_leaf"].astype(bool), value=arrays["value"].astype(np.float64),
-                       missing_left=arrays["missing_left"].astype(bool), roots=arrays["roots"].astype(np.int32))
+    trees = read_trees(npz, TickModelError, "tick-trees")
     trees.check(len(meta.feature_names), str(npz))
     return TickModelPredictor(trees, meta)

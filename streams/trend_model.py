@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from kvguard.streams.predictor import ModelError, ModelFeatureMismatch
-from kvguard.streams.tick_model import _ARRAYS, TreeArrays
+from kvguard.streams.tick_model import TreeArrays, paths, read_trees, save_trees
 
 TREND_FORMAT = "kvguard-trend-trees/1"
 BASE_COLUMNS = ("nonkv_reserved", "util_activation", "util_reserved_unused", "u_kv", "free_frac",
@@ -163,15 +163,6 @@ class TrendPredictor:
         return self.score_derived(d).astype(np.float32), np.zeros((len(d), 0), dtype=np.float32)
 
 
-def paths(path: str | Path, stem: str = "oom_trees") -> tuple[Path, Path]:
-    p = Path(path)
-    if p.is_dir():
-        p = p / stem
-    if p.suffix in (".npz", ".json"):
-        p = p.with_suffix("")
-    return p.with_suffix(".npz"), p.with_suffix(".json")
-
-
 def is_trend_model(path: str | Path) -> bool:
     _, meta_path = paths(path)
     try:
@@ -181,11 +172,7 @@ def is_trend_model(path: str | Path) -> bool:
 
 
 def save_trend_model(trees: TreeArrays, metadata: TrendModelMetadata, path: str | Path) -> tuple[Path, Path]:
-    npz, meta_path = paths(path)
-    npz.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(npz, **{name: getattr(trees, name) for name in _ARRAYS})
-    meta_path.write_text(json.dumps(metadata.to_dict(), indent=1, sort_keys=True) + "\n")
-    return npz, meta_path
+    return save_trees(trees, metadata, path)
 
 
 def load_trend_model(path: str | Path, *, expected_features: list[str] | None = None) -> TrendPredictor:
@@ -202,15 +189,7 @@ def load_trend_model(path: str | Path, *, expected_features: list[str] | None = 
     unknown = [b for b in meta.base_columns if b != "nonkv_reserved" and b not in meta.feature_names]
     if unknown:
         raise TrendModelError(f"{meta_path}: base_columns {unknown} are not tick features")
-    try:
-        with np.load(npz, allow_pickle=False) as data:
-            arrays = {name: data[name] for name in _ARRAYS}
-    except (OSError, KeyError, ValueError) as exc:
-        raise TrendModelError(f"{npz}: not a trend-trees array file: {exc}") from exc
-    trees = TreeArrays(feature=arrays["feature"].astype(np.int32), threshold=arrays["threshold"].astype(np.float64),
-                       left=arrays["left"].astype(np.int32), right=arrays["right"].astype(np.int32),
-                       is_leaf=arrays["is_leaf"].astype(bool), value=arrays["value"].astype(np.float64),
-                       missing_left=arrays["missing_left"].astype(bool), roots=arrays["roots"].astype(np.int32))
+    trees = read_trees(npz, TrendModelError, "trend-trees")
     n_derived = len(meta.base_columns) * (3 + len(meta.slope_windows_s))
     trees.check(n_derived, str(npz))
     return TrendPredictor(trees, meta)

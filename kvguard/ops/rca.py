@@ -305,8 +305,8 @@ def _scan_rows(nr: NodeReplay, batch: EventBatch, mirrors: dict[str, AllocatorMi
     _scan_incident_rows(nr, ev, epoch)
 
 
-_GOVERN = int(getattr(EventKind, "GOVERN", 28))  # the step governor's rows (another branch adds the kind)
-_ADMISSION = int(getattr(EventKind, "ADMISSION", 29))  # admission's rows: held / refused / released
+_GOVERN = int(EventKind.GOVERN)  # the step governor's rows
+_ADMISSION = int(EventKind.ADMISSION)  # the admission gate's rows
 
 
 def _scan_incident_rows(nr: NodeReplay, ev: np.ndarray, epoch: int) -> None:
@@ -741,7 +741,7 @@ def plot_oom(report: OomReport, ticks: list[TickRow], path: str, *, window_s: fl
     y_pol = len(labels)
     labels.append(f"governor/admission ({len(rows_pol)})")
     for r in rows_pol:
-        ax_lanes.plot([minutes(r[0])], [y_pol], marker="|", color="tab:green" if r[1] == 28 else "tab:pink", ms=8)
+        ax_lanes.plot([minutes(r[0])], [y_pol], marker="|", color="tab:green" if r[1] == _GOVERN else "tab:pink", ms=8)
     ax_lanes.set_yticks(range(len(labels)))
     ax_lanes.set_yticklabels(labels, fontsize=7)
     ax_lanes.set_ylim(-0.6, len(labels) - 0.4)

@@ -6,7 +6,7 @@ refusals and long queueing stretches, from the rows and ticks ``kvguard.ops.rca.
   a KV block and none is free (``vllm/v1/core/sched/scheduler.py``: ``_preempt_request`` in ``schedule``),
   so its cause is KV pressure; the report gives the KV level and the queue over the storm.
 - **Refusals**: FINISH rows whose Outcome is not a completion or a crash (REJECTED, and the overload
-  branch's REFUSED = 4 / NEVER_FITS = 5 where the log has them), grouped the same way, each with its
+  gate's REFUSED and the governor's NEVER_FITS where the log has them), grouped the same way, each with its
   reason: the FINISH row's ``Refusal`` (``aux``), else the engine being down after an OOM, else unknown.
 - **Queueing stretch**: consecutive ticks with requests waiting, at least ``min_queue_s`` long; its
   cause is the engine's state over the stretch: down after an OOM, the KV cache full (waiting for
@@ -21,15 +21,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from kvguard.contracts.events import Outcome, Refusal
+from kvguard.contracts.events import EventKind, Outcome, Refusal
 from kvguard.contracts.units import NS_PER_S
 
 GAP_S = 30.0
 MIN_PREEMPTIONS = 5
 MIN_QUEUE_S = 60.0
 KV_FULL = 0.95  # U_kv at or above this: the KV cache is full for the scheduler's purposes
-REFUSED, NEVER_FITS = 4, 5  # Outcome values the overload and governor branches add (contracts/events.py)
-GOVERN, ADMISSION = 28, 29  # EventKind values reserved for the governor's and admission's rows
+REFUSED, NEVER_FITS = int(Outcome.REFUSED), int(Outcome.NEVER_FITS)  # admission's and the governor's refusals
+GOVERN, ADMISSION = int(EventKind.GOVERN), int(EventKind.ADMISSION)  # the governor's and admission's rows
 
 REFUSAL_TEXT = {
     int(Refusal.RESTARTING): "the engine was restarting after a crash",

@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 GPUS = 4
 # scenario, rate scale, simulated seconds: the demo's --quick stress (figures: docs/RESULTS.md)
 WORKLOAD = ("mixed", 2.25, 900.0)
-# the Kafka test: a denser, shorter stress at a higher speed, so that its node runs 30 s instead of
+# the Kafka test: a denser, shorter stress at a higher speed, so that its node runs 20 s instead of
 # 90 s; TTLs scale with SPEED (below), so hops cost the same wall time
-KAFKA_WORKLOAD = ("mixed", 2.75, 450.0)
+KAFKA_WORKLOAD = ("mixed", 2.75, 300.0)
 PROFILE = "llama3-8b-24gb-vllm"  # the vLLM-faithful engine
 GPU_MEMORY_UTILIZATION = 0.95  # the operator's knob (the demo's)
 PROMPT_LOGPROBS_FRAC = 0.05  # eval traffic (the demo's)

@@ -56,7 +56,7 @@ def test_prompt_logprobs_beyond_the_profiled_peak_oom_in_the_allocator_and_expan
     runner (``VLLM_USE_V2_MODEL_RUNNER=0``): it makes a request's whole chunk of prompt logits at once."""
     from kvguard.runtime.simulation import run_simulation
 
-    runs = {conf: run_simulation("azure-conv", gpus=2, duration_s=600.0, rate_scale=2.0, profile_name=VLLM,
+    runs = {conf: run_simulation("azure-conv", gpus=2, duration_s=300.0, rate_scale=2.0, profile_name=VLLM,
                                  knobs=EngineKnobs(gpu_memory_utilization=0.95, allocator_conf=conf,
                                                    model_runner="v1"),
                                  prompt_logprobs_frac=0.05, drain=False)
@@ -67,11 +67,11 @@ def test_prompt_logprobs_beyond_the_profiled_peak_oom_in_the_allocator_and_expan
     assert set(plain["ooms_by_cause"]) <= {"allocator:peak", "allocator:fragmentation", "allocator:prompt_logprobs"}
     assert plain["slo_attainment"] < 1.0
     assert runs["expandable_segments:True"]["ooms"] < plain["ooms"]
-    default = run_simulation("azure-conv", gpus=2, duration_s=600.0, rate_scale=2.0, profile_name=VLLM,
+    default = run_simulation("azure-conv", gpus=2, duration_s=300.0, rate_scale=2.0, profile_name=VLLM,
                              prompt_logprobs_frac=0.05, drain=False, knobs=EngineKnobs(model_runner="v1",
                                                                                        gpu_memory_utilization=0.9))
     assert default["ooms"] == 0  # 0.9 leaves room for them here
-    v2 = run_simulation("azure-conv", gpus=2, duration_s=600.0, rate_scale=2.0, profile_name=VLLM,
+    v2 = run_simulation("azure-conv", gpus=2, duration_s=300.0, rate_scale=2.0, profile_name=VLLM,
                         knobs=EngineKnobs(gpu_memory_utilization=0.95), prompt_logprobs_frac=0.05, drain=False)
     assert v2["ooms"] < plain["ooms"]  # 0.33's runner chunks prompt logprobs (1024 positions at a time)
 
