@@ -242,6 +242,21 @@ class StepGovernor:
             self._count(d)
         return d
 
+    def defer_waiting(self, d: Decision, running_only: Candidates, budget: int, headroom_bytes: int) -> Decision | None:
+        """When even the smallest step with the waiting queue does not fit (``F_GOV_NO_FIT``) but the
+        running requests alone do, the decision for a step that defers the queue (``F_GOV_DEFER``:
+        requests stay queued, nothing is dropped); None when deferring would not help. ``running_only``:
+        the step's candidates without the waiting queue."""
+        if not d.flags & F_GOV_NO_FIT:
+            return None
+        alone = self.govern(running_only, budget, headroom_bytes)
+        if alone is not None and alone.flags & F_GOV_NO_FIT:
+            return None
+        self.deferred_steps += 1
+        new = alone.budget if alone is not None else budget
+        return d._replace(budget=new, flags=(alone.flags if alone is not None else 0) | F_GOV_DEFER,
+                          tokens_removed=budget - new)
+
     def needs_release(self, c: Candidates, budget: int, device_free_bytes: int) -> bool:
         """Whether the step at ``budget`` counts on cached blocks for a step-class tensor (prompt logprobs,
         long-context buffers, speculative rows): its worst case is over the device's free bytes less the

@@ -35,7 +35,6 @@ import logging
 from typing import Any
 
 from kvguard.producers.vllm.governor import (
-    F_GOV_DEFER,
     F_GOV_NO_FIT,
     Calibration,
     Candidates,
@@ -213,16 +212,11 @@ class PluginGovernor:
         self.last = d
         if d is None:
             return None, False
-        defer = False
-        if d.flags & F_GOV_NO_FIT and len(sched.waiting) and sched.running:
-            alone = self.governor.govern(self.candidates(sched, with_waiting=False), budget, room)
-            if alone is None or not alone.flags & F_GOV_NO_FIT:
-                self.governor.deferred_steps += 1
-                defer = True
-                new = alone.budget if alone is not None else budget
-                d = d._replace(budget=new, flags=(alone.flags if alone is not None else 0) | F_GOV_DEFER,
-                               tokens_removed=budget - new)
-                self.last = d
+        deferred = self.governor.defer_waiting(d, self.candidates(sched, with_waiting=False), budget, room) \
+            if d.flags & F_GOV_NO_FIT and len(sched.waiting) and sched.running else None
+        defer = deferred is not None
+        if deferred is not None:
+            d = self.last = deferred
         if self.emit is not None:
             self.emit(d)
         return d.budget, defer

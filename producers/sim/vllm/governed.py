@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from kvguard.contracts.events import EventKind, Outcome
 from kvguard.producers.vllm.governor import (
-    F_GOV_DEFER,
     F_GOV_NO_FIT,
     F_GOV_REFUSED,
     F_GOV_TOKENS,
@@ -140,15 +139,10 @@ class SimGovernor:
             memory.empty_cache(self.engine.now_ns)
         if d is None:
             return False
-        defer = False
-        if d.flags & F_GOV_NO_FIT and len(sched.waiting) and sched.running:
-            alone = self.governor.govern(self.candidates(sched, with_waiting=False), budget, room)
-            if alone is None or not alone.flags & F_GOV_NO_FIT:
-                self.governor.deferred_steps += 1
-                defer = True
-                d = d._replace(budget=alone.budget if alone is not None else budget,
-                               flags=(alone.flags if alone is not None else 0) | F_GOV_DEFER,
-                               tokens_removed=budget - (alone.budget if alone is not None else budget))
+        deferred = self.governor.defer_waiting(d, self.candidates(sched, with_waiting=False), budget, room) \
+            if d.flags & F_GOV_NO_FIT and len(sched.waiting) and sched.running else None
+        defer = deferred is not None
+        d = deferred or d
         sched.max_num_scheduled_tokens = d.budget
         if d.max_seqs:
             self._saved_seqs = sched.config.max_num_seqs
